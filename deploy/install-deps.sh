@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Installs every Debian package hsdp's build, tests, benchmarks and demo need.
+# Idempotent: re-running it when everything is present is a quick no-op.
+set -euo pipefail
+
+PACKAGES=(
+  build-essential cmake ninja-build ccache pkg-config git clang-format
+  libtorch-dev libopenblas0-pthread libgloo-dev
+  libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
+  libabsl-dev libgtest-dev libgmock-dev libbenchmark-dev
+  prometheus-cpp-dev nlohmann-json3-dev
+  python3 python3-torch python3-grpcio
+  yamllint iproute2
+)
+
+missing=()
+for p in "${PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
+done
+
+if ((${#missing[@]})); then
+  SUDO=""
+  [ "$(id -u)" = 0 ] || SUDO=sudo
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get update -q
+  $SUDO apt-get install -y -q --no-install-recommends "${missing[@]}"
+fi
+
+# kubectl renders the manifests offline (kubectl kustomize). Some machines carry an upstream
+# kubectl package that conflicts with Debian's kubernetes-client; either one will do.
+if ! command -v kubectl >/dev/null 2>&1; then
+  SUDO=""
+  [ "$(id -u)" = 0 ] || SUDO=sudo
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends kubernetes-client
+fi
+
+# Node.js (for buf lint and the manifest schema checks) ships with these machines; Debian's
+# nodejs package conflicts with it, so only install it when no node is present at all.
+if ! command -v npm >/dev/null 2>&1; then
+  SUDO=""
+  [ "$(id -u)" = 0 ] || SUDO=sudo
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends nodejs npm
+fi
