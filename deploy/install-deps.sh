@@ -8,7 +8,7 @@ PACKAGES=(
   libtorch-dev libopenblas0-pthread libgloo-dev
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libgtest-dev libgmock-dev libbenchmark-dev
-  prometheus-cpp-dev nlohmann-json3-dev
+  prometheus-cpp-dev nlohmann-json3-dev libcli11-dev libssl-dev
   python3 python3-torch python3-grpcio
   yamllint iproute2
 )
