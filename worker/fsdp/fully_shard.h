@@ -1,0 +1,302 @@
+// The public API of the sharding engine: FSDP2/HSDP-style fully sharded data
+// parallelism for LibTorch C++ modules, driven by a hsdp::v1::StepSchedule
+// value.
+//
+// Usage (one Engine per model per rank; ranks may be threads or processes):
+//
+//   hsdp::fsdp::MeshComms mesh{shard_comm, replicate_comm};  // replicate may
+//   be null (pure FSDP) hsdp::fsdp::EngineOptions opts; // device, mixed
+//   precision, offload auto engine = hsdp::fsdp::Engine::Create(model, mesh,
+//   opts).value(); for (int i = 0; i < n_layers; ++i)                       //
+//   forward order → units 1..n
+//     engine->FullyShard({model->layers[i].ptr()}, "layers." +
+//     std::to_string(i)).value();
+//   engine->FullyShardRoot().value();                        // leftover params
+//   → unit 0 "root" torch::optim::AdamW opt(engine->Parameters(),
+//   torch::optim::AdamWOptions(1e-3));
+//
+//   // LibTorch has no forward hooks: the model's forward enters each unit
+//   explicitly. auto fwd = [&](const at::Tensor& tokens) {
+//     return engine->Root().Forward(tokens, [&](const at::Tensor& t) {
+//       at::Tensor h = model->embed(t);
+//       for (int i = 0; i < n_layers; ++i)
+//         h = engine->Unit(i + 1).Forward(h, [&](const at::Tensor& x) {
+//           return model->layers[i]->forward(x);
+//         });
+//       return model->head(h);                          // logits or the loss
+//       itself
+//     });
+//   };
+//   for (int mb = 0; mb < schedule.microbatches_size(); ++mb) {
+//     engine->Apply(schedule, mb).IgnoreError();         // check the Status in
+//     real code at::Tensor loss = loss_fn(fwd(tokens[mb])) / n_microbatches;
+//     loss.backward();                                  // reductions finished
+//     when this returns
+//   }
+//   if (auto s = engine->status(); !s.ok()) { /* a collective failed: abort the
+//   step */ } hsdp::fsdp::ClipGradNormGlobal(*engine, 1.0); opt.step();
+//   opt.zero_grad();
+//
+// `FullyShard<M>` wraps a module holder so `wrapped(x)` == `unit.Forward(x,
+// module->forward)`. Activation recompute: `Checkpoint(fn, x)` (the unit's
+// Forward inside fn is rerun in backward).
+//
+// Numerics: gradients are averaged over all ranks (shard × replicate), so each
+// rank's loss should be the mean over its local batch; sharded training then
+// equals single-process training on the global batch. Reshard, prefetch and
+// offload choices never change the numbers (bitwise).
+//
+// Thread-safety: an Engine and everything it returns are thread-compatible —
+// drive it from one training thread (autograd may call the hooks on its own
+// worker thread while that thread waits in backward(), which is still
+// serialised).
+#ifndef HSDP_WORKER_FSDP_FULLY_SHARD_H_
+#define HSDP_WORKER_FSDP_FULLY_SHARD_H_
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "worker/comm/communicator.h"
+
+namespace torch::nn {
+class Module;
+}  // namespace torch::nn
+
+namespace hsdp::v1 {
+class StepSchedule;
+}  // namespace hsdp::v1
+
+namespace hsdp::fsdp {
+
+class UnitGroup;
+class EngineCore;
+
+// The two communicators of this rank in a replicate × shard mesh. Not owned:
+// they must outlive the Engine. `replicate` may be null or of size 1 (plain
+// FSDP).
+struct MeshComms {
+  comm::Communicator* shard = nullptr;
+  comm::Communicator* replicate = nullptr;
+};
+
+// FSDP2's MixedPrecisionPolicy. Unset dtypes mean "the parameter's own dtype".
+struct MixedPrecisionPolicy {
+  std::optional<c10::ScalarType>
+      param_dtype;  // dtype of the all-gathered (compute) params
+  std::optional<c10::ScalarType>
+      reduce_dtype;  // dtype gradients are reduced in
+  std::optional<c10::ScalarType> output_dtype;  // root outputs are cast to this
+  bool cast_forward_inputs =
+      true;  // floating inputs of each unit → param_dtype
+};
+
+// Sharded parameters and gradients live on the CPU (pinned where CUDA exists);
+// the optimizer steps there and each all-gather copies the shard to the compute
+// device first.
+struct OffloadPolicy {
+  bool offload_params = false;
+};
+
+struct EngineOptions {
+  c10::Device device = c10::kCPU;  // compute device of the unsharded parameters
+  MixedPrecisionPolicy mixed_precision;
+  OffloadPolicy offload;
+  // Default for units; a StepSchedule overrides it per unit and step.
+  bool reshard_after_forward = true;
+};
+
+struct UnitOptions {
+  // Unset: EngineOptions::reshard_after_forward.
+  std::optional<bool> reshard_after_forward;
+  // Parameters of the unit's modules that stay unsharded, untouched, and out of
+  // Parameters().
+  std::vector<at::Tensor> ignored_params;
+};
+
+// Static description of a unit (what the worker reports when it joins).
+struct UnitInfo {
+  std::string name;
+  int64_t num_params = 0;  // parameter tensors
+  int64_t numel = 0;       // elements of the unsharded parameters
+  int64_t unsharded_bytes =
+      0;  // bytes of the unsharded parameters in param_dtype
+  int64_t sharded_bytes =
+      0;  // bytes of this rank's padded shards (fp32 master copy)
+  std::vector<std::string>
+      param_names;  // fully qualified names under the root module
+};
+
+// Accounting of one unit on this rank. Times are cumulative seconds since
+// Create/ResetStats.
+struct UnitStats {
+  int64_t sharded_bytes = 0;
+  int64_t unsharded_bytes_alive =
+      0;                   // storage bytes of the unsharded params right now
+  int64_t grad_bytes = 0;  // sharded + unsharded gradient bytes right now
+  int64_t peak_unsharded_bytes = 0;
+  int64_t all_gathers = 0;
+  int64_t reduce_scatters = 0;
+  double all_gather_seconds = 0;
+  double reduce_scatter_seconds = 0;
+  double all_reduce_seconds = 0;
+};
+
+struct EngineStats {
+  std::vector<UnitStats> units;  // indexed like Units()
+  int64_t sharded_bytes = 0;
+  int64_t unsharded_bytes_alive = 0;
+  int64_t peak_unsharded_bytes = 0;  // peak of the sum over units
+  int64_t grad_bytes = 0;
+  double all_gather_seconds = 0;
+  double reduce_scatter_seconds = 0;
+  double all_reduce_seconds = 0;
+};
+
+using TensorFn = std::function<at::Tensor(const at::Tensor&)>;
+using TensorListFn =
+    std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)>;
+
+// A registered unit. Owned by the Engine; references stay valid for the
+// Engine's lifetime.
+class UnitHandle {
+ public:
+  // Runs `fn` inside the unit: pre-forward (all-gather, prefetch, input cast),
+  // fn, post-forward (reshard, backward hooks). Throws c10::Error only from
+  // inside an autograd graph; collective failures are reported through
+  // Engine::status() and as c10::Error from backward().
+  at::Tensor Forward(const at::Tensor& input, const TensorFn& fn);
+  std::vector<at::Tensor> Forward(const std::vector<at::Tensor>& inputs,
+                                  const TensorListFn& fn);
+
+  int index() const;
+  const std::string& name() const;
+
+ private:
+  friend class Engine;
+  explicit UnitHandle(UnitGroup* group) : group_(group) {}
+  UnitGroup* group_;
+};
+
+class Engine {
+ public:
+  // `root` is the whole model: parameter names are taken relative to it, and
+  // its parameters not claimed by FullyShard() become the root unit.
+  static absl::StatusOr<std::unique_ptr<Engine>> Create(
+      std::shared_ptr<torch::nn::Module> root, MeshComms mesh,
+      EngineOptions options);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Registers `modules` (one or several, all under root) as the next unit in
+  // forward order and shards their parameters. Returns the unit index (1, 2,
+  // ...; index 0 is reserved for root).
+  absl::StatusOr<int> FullyShard(
+      const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
+      const std::string& name, const UnitOptions& options = {});
+  // Shards the leftover parameters of root as unit 0 "root" and finishes
+  // set-up. Call once, after every FullyShard(); Forward/Apply/Parameters need
+  // it.
+  absl::Status FullyShardRoot(const UnitOptions& options = {});
+
+  // Sets per-unit reshard/prefetch and per-microbatch gradient sync from the
+  // schedule. Call before each microbatch's forward. Microbatch 0 starts a
+  // step: units left unsharded by the previous step are resharded (the
+  // optimizer changed the shards). A schedule with no microbatches means one
+  // synchronising microbatch. INVALID_ARGUMENT if the unit list does not match.
+  absl::Status Apply(const hsdp::v1::StepSchedule& schedule, int microbatch);
+
+  // Unit 0 is root. Valid after FullyShardRoot().
+  UnitHandle& Root();
+  UnitHandle& Unit(int index);
+  int num_units() const;
+  std::vector<UnitInfo> Units() const;
+  EngineStats Stats() const;
+  void ResetStats();
+
+  // The local shards (plain leaf tensors) for the optimizer, in unit then
+  // parameter order.
+  std::vector<at::Tensor> Parameters() const;
+  // Same, with their fully qualified names.
+  std::vector<std::pair<std::string, at::Tensor>> NamedParameters() const;
+
+  // First collective error since Create (sticky): once set, the engine stops
+  // issuing collectives.
+  absl::Status status() const;
+
+  // Internal state shared with the hooks and helpers.
+  EngineCore& core() { return *core_; }
+  const EngineCore& core() const { return *core_; }
+
+ private:
+  explicit Engine(std::unique_ptr<EngineCore> core);
+  std::unique_ptr<EngineCore> core_;
+  std::vector<std::unique_ptr<UnitHandle>> handles_;
+};
+
+// A module holder wrapped so that calling it enters its unit:
+//   FullyShard<Block> block(engine->Unit(1), model->layers[0]);  at::Tensor y =
+//   block(x);
+template <typename ModuleHolder>
+class FullyShard {
+ public:
+  FullyShard(UnitHandle& unit, ModuleHolder module)
+      : unit_(&unit), module_(std::move(module)) {}
+  at::Tensor operator()(const at::Tensor& x) {
+    return unit_->Forward(
+        x, [this](const at::Tensor& in) { return module_->forward(in); });
+  }
+  ModuleHolder& module() { return module_; }
+
+ private:
+  UnitHandle* unit_;
+  ModuleHolder module_;
+};
+
+// Activation recomputation: runs fn without saving activations and reruns it in
+// backward. Units entered inside fn are re-gathered during the recompute
+// without forward prefetch.
+at::Tensor Checkpoint(Engine& engine, const TensorFn& fn,
+                      const at::Tensor& input);
+
+// Clips the sharded gradients so the global norm over all shards is at most
+// max_norm (a collective on the shard communicator: call it on every rank).
+// Returns the norm before clipping.
+absl::StatusOr<double> ClipGradNormGlobal(Engine& engine, double max_norm);
+
+// The unsharded fp32 parameters by name, gathered on global rank 0 (a
+// collective: every rank calls it; ranks other than 0 get an empty map).
+absl::StatusOr<std::map<std::string, at::Tensor>> FullStateDict(Engine& engine);
+// Loads a full state dict held by global rank 0 into every rank's shards (a
+// collective; other ranks pass an empty map). NOT_FOUND / INVALID_ARGUMENT on a
+// missing name or a shape mismatch.
+absl::Status LoadFullStateDict(Engine& engine,
+                               const std::map<std::string, at::Tensor>& state);
+
+// One rank's shard of one parameter with what is needed to place it.
+struct ShardedTensor {
+  at::Tensor local;  // this rank's rows (unpadded), a copy
+  std::vector<int64_t> global_shape;
+  int64_t row_offset = 0;  // first global row held here
+  int shard_rank = 0;
+  int shard_size = 1;
+};
+std::map<std::string, ShardedTensor> ShardedStateDict(const Engine& engine);
+// Local only (no collectives): the layout must match this rank's.
+absl::Status LoadShardedStateDict(
+    Engine& engine, const std::map<std::string, ShardedTensor>& state);
+
+}  // namespace hsdp::fsdp
+
+#endif  // HSDP_WORKER_FSDP_FULLY_SHARD_H_
