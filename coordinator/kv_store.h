@@ -1,0 +1,81 @@
+// The rendezvous key-value store behind StoreSet/StoreGet/StoreWait: keys live
+// in a namespace per (job id, generation), so a new generation starts from an
+// empty store and stale workers cannot read or clobber the new one's keys. Get
+// and Wait block (condition waits on an absl::Mutex) until the keys exist, the
+// timeout passes (DEADLINE_EXCEEDED) or Shutdown() is called (UNAVAILABLE).
+#ifndef HSDP_COORDINATOR_KV_STORE_H_
+#define HSDP_COORDINATOR_KV_STORE_H_
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+
+namespace hsdp::coordinator {
+
+inline constexpr size_t kMaxKvKeyBytes = 1024;
+inline constexpr size_t kMaxKvValueBytes = 4 << 20;
+inline constexpr size_t kMaxKvKeysPerScope = 1 << 16;
+
+// The rendezvous prefix a Join answer carries, e.g. "hsdp/job-1/gen-3/".
+std::string RendezvousPrefix(absl::string_view job_id, int64_t generation);
+
+// Thread-safe.
+class KvStore {
+ public:
+  KvStore() = default;
+  KvStore(const KvStore&) = delete;
+  KvStore& operator=(const KvStore&) = delete;
+
+  // Sets (or overwrites) a key. INVALID_ARGUMENT for an empty/oversized key or
+  // oversized value; RESOURCE_EXHAUSTED past kMaxKvKeysPerScope keys in one
+  // scope.
+  absl::Status Set(absl::string_view job_id, int64_t generation,
+                   absl::string_view key, std::string value);
+
+  // Returns the value once the key exists; DEADLINE_EXCEEDED ("key K not set
+  // within T") after `timeout` (<= 0: check once); UNAVAILABLE after
+  // Shutdown().
+  absl::StatusOr<std::string> Get(absl::string_view job_id, int64_t generation,
+                                  absl::string_view key,
+                                  absl::Duration timeout);
+
+  // Like Get for every key; the error names the first missing key.
+  absl::Status Wait(absl::string_view job_id, int64_t generation,
+                    const std::vector<std::string>& keys,
+                    absl::Duration timeout);
+
+  // Drops every scope of `job_id` with a generation below `generation` (old
+  // rendezvous).
+  void DropGenerationsBefore(absl::string_view job_id, int64_t generation);
+
+  // Wakes all waiters with UNAVAILABLE; later blocking calls fail at once.
+  void Shutdown();
+
+  // Keys in one scope (for tests/metrics).
+  size_t KeyCount(absl::string_view job_id, int64_t generation) const;
+
+ private:
+  using Scope = std::pair<std::string, int64_t>;
+  // True when every key exists in the scope or the store is shut down.
+  bool ReadyLocked(const Scope& scope,
+                   const std::vector<std::string>& keys) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  mutable absl::Mutex mu_;
+  std::map<Scope, std::map<std::string, std::string, std::less<>>> scopes_
+      ABSL_GUARDED_BY(mu_);
+  bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+}  // namespace hsdp::coordinator
+
+#endif  // HSDP_COORDINATOR_KV_STORE_H_

@@ -1,0 +1,195 @@
+// The schedule log: the sealed, immutable per-step schedules every rank reads.
+//
+// * Sealing: the first read of step s seals it — s and every unsealed step
+// before it (steps
+//   are sealed in order, so the sealed steps are always [0, sealed_step()]) are
+//   planned and their serialized bytes stored (and persisted before being
+//   returned). Later reads return the same bytes.
+// * Policy: SetPolicy validates and applies from the first unsealed step; the
+// response
+//   names that step and the new version. The history maps each step to exactly
+//   one policy version, so no step mixes policies and a change lands exactly on
+//   the announced step.
+// * Read-ahead window: let floor = min over ranks of the highest completed step
+// (reported
+//   via RecordReport; -1 before any report). Sealing step s is allowed when
+//   s <= floor + 1 + read_ahead. Beyond floor + 1 + refuse_ahead the read is
+//   refused with OUT_OF_RANGE; in between the caller blocks until the window
+//   moves or its deadline passes (DEADLINE_EXCEEDED). Already sealed steps are
+//   always readable.
+// * Drain: Drain() fixes a last step (the first unsealed step); reads past it
+// answer
+//   `drained` and nothing past it is ever sealed.
+// * Checkpoints: RequestCheckpoint() marks the first unsealed step; the last
+// step every rank
+//   reported checkpoint_saved for is tracked (last_checkpoint_step).
+// Persistence (optional StateStore): policy history, drain step, checkpoint
+// requests and records, and every sealed step; Create() restores them, so a
+// restarted coordinator serves byte-identical sealed steps.
+#ifndef HSDP_COORDINATOR_SCHEDULE_LOG_H_
+#define HSDP_COORDINATOR_SCHEDULE_LOG_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "common/units.h"
+#include "coordinator/planner.h"
+#include "coordinator/state_store.h"
+#include "hsdp/v1/policy.pb.h"
+#include "hsdp/v1/schedule.pb.h"
+
+namespace hsdp::coordinator {
+
+inline constexpr int kDefaultReadAhead = 4;
+
+// An immutable sealed step: the stored bytes and the same schedule parsed (so
+// serving it does not re-parse). bytes == schedule.SerializeAsString().
+struct SealedSchedule {
+  int64_t step = 0;
+  std::string bytes;
+  hsdp::v1::StepSchedule schedule;
+};
+
+struct ScheduleRead {
+  // Null when drained.
+  std::shared_ptr<const SealedSchedule> sealed;
+  // The step is past the drain step: the worker should stop.
+  bool drained = false;
+};
+
+struct PolicyInfo {
+  hsdp::v1::Policy policy;
+  int64_t version = 0;
+  // First step planned (or to be planned) from this version.
+  int64_t effective_step = 0;
+};
+
+// Thread-safe. Reads of sealed steps take the mutex briefly; planning happens
+// under it.
+class ScheduleLog {
+ public:
+  struct Options {
+    int world_size = 1;
+    // The mesh's S, for the memory model.
+    int shard_size = 1;
+    int read_ahead = kDefaultReadAhead;
+    // Reads further than this past floor + 1 are refused; 0 means 4 *
+    // read_ahead (at least read_ahead + 1).
+    int refuse_ahead = 0;
+  };
+
+  // Starts from `initial_policy` (version 1, effective step 0) — or, when
+  // `store` already holds a policy history, from the persisted history, sealed
+  // steps, drain step and checkpoint state (the persisted policy wins over
+  // `initial_policy`; restored() says so). The initial policy is validated
+  // (without units). `store` may be null (no persistence) and must outlive the
+  // log.
+  static absl::StatusOr<std::unique_ptr<ScheduleLog>> Create(
+      Options options, const hsdp::v1::Policy& initial_policy,
+      StateStore* store);
+
+  ScheduleLog(const ScheduleLog&) = delete;
+  ScheduleLog& operator=(const ScheduleLog&) = delete;
+  ~ScheduleLog();
+
+  // Sets the job's unit list (once the first worker joined; also restored from
+  // the store's units when present). Setting the same list again is a no-op; a
+  // different list is FAILED_PRECONDITION. If the current policy has an
+  // override matching no unit this returns INVALID_ARGUMENT but keeps the units
+  // (such overrides then do nothing).
+  absl::Status SetUnits(const UnitList& units);
+  bool has_units() const;
+
+  // Worker read of `step` (seals it on first read, stamping `generation`).
+  // Blocks while the step is beyond the read-ahead window, until `deadline`.
+  // Errors: INVALID_ARGUMENT (negative step), FAILED_PRECONDITION (unit list
+  // unknown), OUT_OF_RANGE (too far ahead), DEADLINE_EXCEEDED, UNAVAILABLE
+  // (Shutdown), or the store's error if persisting failed (the step then stays
+  // unsealed).
+  absl::StatusOr<ScheduleRead> GetSchedule(int64_t step, int64_t generation,
+                                           absl::Time deadline);
+
+  // Control read: an already sealed step, never seals. NOT_FOUND if not sealed.
+  absl::StatusOr<std::shared_ptr<const SealedSchedule>> GetSealed(
+      int64_t step) const;
+
+  // Validates `policy` (against the units when known) and applies it from the
+  // first unsealed step. INVALID_ARGUMENT leaves everything unchanged.
+  absl::StatusOr<PolicyInfo> SetPolicy(const hsdp::v1::Policy& policy);
+  // The latest policy (what SetPolicy last installed).
+  PolicyInfo CurrentPolicy() const;
+  // Every version in order (version 1 first).
+  std::vector<PolicyInfo> PolicyHistory() const;
+
+  // Requests a checkpoint after the first unsealed step and returns that step
+  // (FAILED_PRECONDITION if that step is past the drain step).
+  absl::StatusOr<int64_t> RequestCheckpoint();
+
+  // Stops sealing after the first unsealed step and returns it (the last step
+  // that runs). Idempotent: a second call returns the same step.
+  int64_t Drain();
+
+  // Records a rank's step report: its completed step (moves the window, wakes
+  // readers), checkpoint_saved (last_checkpoint_step advances when every rank
+  // saved a step) and peak memory (planner feedback). INVALID_ARGUMENT for a
+  // rank outside [0, world) or a negative step.
+  absl::Status RecordReport(const hsdp::v1::StepReport& report);
+
+  // Wakes every blocked GetSchedule with UNAVAILABLE and refuses new blocking
+  // reads.
+  void Shutdown();
+
+  // Highest sealed step, or -1.
+  int64_t sealed_step() const;
+  // Drain step, or -1.
+  int64_t drain_step() const;
+  // Latest step every rank reported a saved checkpoint for, or -1.
+  int64_t last_checkpoint_step() const;
+  // min over ranks of the highest completed step (-1 before reports).
+  int64_t min_completed_step() const;
+  double memory_correction() const;
+  bool restored() const { return restored_; }
+  const Options& options() const { return options_; }
+
+ private:
+  ScheduleLog(Options options, StateStore* store);
+
+  const PolicyInfo& PolicyForStepLocked(int64_t step) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  int64_t FloorLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status SealThroughLocked(int64_t step, int64_t generation)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status RestoreLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const Options options_;
+  StateStore* const store_;
+  bool restored_ = false;
+
+  mutable absl::Mutex mu_;
+  std::vector<PolicyInfo> policies_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<Planner> planner_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::shared_ptr<const SealedSchedule>> sealed_
+      ABSL_GUARDED_BY(mu_);
+  std::vector<int64_t> completed_ ABSL_GUARDED_BY(mu_);
+  // Lower bound on the floor after a restart (the window as it was when the
+  // last restored step was sealed), since completed steps are not persisted.
+  int64_t restored_floor_ ABSL_GUARDED_BY(mu_) = -1;
+  int64_t drain_step_ ABSL_GUARDED_BY(mu_) = -1;
+  std::set<int64_t> checkpoint_requests_ ABSL_GUARDED_BY(mu_);
+  std::map<int64_t, std::set<int>> checkpoint_saves_ ABSL_GUARDED_BY(mu_);
+  int64_t last_checkpoint_step_ ABSL_GUARDED_BY(mu_) = -1;
+  bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+}  // namespace hsdp::coordinator
+
+#endif  // HSDP_COORDINATOR_SCHEDULE_LOG_H_

@@ -1,0 +1,92 @@
+// Crash-safe persistence of the coordinator's state in a directory:
+//   <dir>/state.binpb          PersistedState (job, policies, generation,
+//   model, members,
+//                              drain step, checkpoint records), rewritten
+//                              atomically
+//   <dir>/steps/<step>.binpb   one serialized StepSchedule per sealed step,
+//   written once
+// Every write goes to "<file>.tmp", is fsync'ed, renamed over the target and
+// the directory is fsync'ed, so a crash leaves either the old or the new file.
+// Leftover *.tmp files (a crash mid-write) are ignored and removed on Open.
+// Sealing a step writes one small file and never rewrites the others
+// (append-friendly).
+#ifndef HSDP_COORDINATOR_STATE_STORE_H_
+#define HSDP_COORDINATOR_STATE_STORE_H_
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "coordinator/state_store.pb.h"
+
+namespace hsdp::coordinator {
+
+using state::PersistedState;
+
+// Thread-safe: Update and SaveSealedStep may be called from any thread; each
+// call is serialized by an internal mutex. Components call it while holding
+// their own lock (lock order: component -> StateStore), and StateStore never
+// calls back into them.
+class StateStore {
+ public:
+  struct Options {
+    // fsync files and the directory (off only for benchmarks/tests that do not
+    // crash).
+    bool sync = true;
+  };
+
+  // Opens (creating if needed) `dir` and loads what is there. A corrupt
+  // state.binpb or step file is DATA_LOSS naming the file; unreadable dir is
+  // the underlying errno status.
+  static absl::StatusOr<std::unique_ptr<StateStore>> Open(
+      const std::string& dir, Options options);
+  static absl::StatusOr<std::unique_ptr<StateStore>> Open(
+      const std::string& dir) {
+    return Open(dir, Options());
+  }
+
+  StateStore(const StateStore&) = delete;
+  StateStore& operator=(const StateStore&) = delete;
+
+  // A copy of the current state (as loaded, plus updates since).
+  PersistedState state() const;
+
+  // Applies `mutate` to the state and rewrites state.binpb atomically. On a
+  // write error the in-memory state is rolled back and the error returned.
+  absl::Status Update(const std::function<void(PersistedState*)>& mutate);
+
+  // Writes the sealed bytes of `step` (once; rewriting a sealed step with
+  // different bytes is FAILED_PRECONDITION — sealed steps are immutable).
+  absl::Status SaveSealedStep(int64_t step, const std::string& bytes);
+
+  // The sealed steps loaded at Open plus those saved since, by step.
+  std::map<int64_t, std::string> SealedSteps() const;
+
+  const std::string& dir() const { return dir_; }
+
+ private:
+  StateStore(std::string dir, Options options);
+  absl::Status Load();
+
+  const std::string dir_;
+  const Options options_;
+  mutable absl::Mutex mu_;
+  PersistedState state_ ABSL_GUARDED_BY(mu_);
+  std::map<int64_t, std::string> sealed_ ABSL_GUARDED_BY(mu_);
+};
+
+// Writes `contents` to `path` atomically (temp file + fsync + rename + fsync of
+// the directory when `sync`). Exposed for tests and for small files the service
+// writes.
+absl::Status WriteFileAtomically(const std::string& path,
+                                 const std::string& contents, bool sync);
+
+}  // namespace hsdp::coordinator
+
+#endif  // HSDP_COORDINATOR_STATE_STORE_H_
