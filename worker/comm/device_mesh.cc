@@ -1,0 +1,106 @@
+#include "worker/comm/device_mesh.h"
+
+#include <utility>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+
+namespace hsdp::comm {
+
+absl::StatusOr<MeshShape> ParseMeshShape(const std::string& text) {
+  std::vector<std::string> parts = absl::StrSplit(text, 'x');
+  MeshShape shape;
+  if (parts.size() != 2 || !absl::SimpleAtoi(parts[0], &shape.replicate) ||
+      !absl::SimpleAtoi(parts[1], &shape.shard) || shape.replicate < 1 ||
+      shape.shard < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "mesh must be RxS with positive integers (e.g. 2x2), got '", text,
+        "'"));
+  }
+  return shape;
+}
+
+GroupSpec DeviceMesh::ShardGroup(const MeshShape& shape, int rank,
+                                 const std::string& prefix) {
+  const int replicate_index = rank / shape.shard;
+  GroupSpec group;
+  group.kind = "shard";
+  group.prefix = absl::StrCat(prefix, "/shard/", replicate_index);
+  group.rank = rank % shape.shard;
+  group.size = shape.shard;
+  for (int s = 0; s < shape.shard; ++s)
+    group.global_ranks.push_back(replicate_index * shape.shard + s);
+  return group;
+}
+
+GroupSpec DeviceMesh::ReplicateGroup(const MeshShape& shape, int rank,
+                                     const std::string& prefix) {
+  const int shard_index = rank % shape.shard;
+  GroupSpec group;
+  group.kind = "replicate";
+  group.prefix = absl::StrCat(prefix, "/replicate/", shard_index);
+  group.rank = rank / shape.shard;
+  group.size = shape.replicate;
+  for (int r = 0; r < shape.replicate; ++r)
+    group.global_ranks.push_back(r * shape.shard + shard_index);
+  return group;
+}
+
+DeviceMesh::DeviceMesh(MeshShape shape, int rank,
+                       std::unique_ptr<Communicator> shard,
+                       std::unique_ptr<Communicator> replicate)
+    : shape_(shape),
+      rank_(rank),
+      shard_(std::move(shard)),
+      replicate_(std::move(replicate)) {}
+
+absl::StatusOr<std::unique_ptr<DeviceMesh>> DeviceMesh::Create(
+    const MeshShape& shape, int rank, const std::string& prefix,
+    const CommunicatorFactory& factory) {
+  if (shape.replicate < 1 || shape.shard < 1 || rank < 0 ||
+      rank >= shape.world_size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank ", rank, " is outside the ", shape.replicate, "x",
+                     shape.shard, " mesh"));
+  }
+  // Every rank creates its shard group first, then its replicate group: a
+  // group's rendezvous only waits on members that are all doing the same step,
+  // so no rank waits on another's later step.
+  absl::StatusOr<std::unique_ptr<Communicator>> shard =
+      factory(ShardGroup(shape, rank, prefix));
+  if (!shard.ok()) return shard.status();
+  absl::StatusOr<std::unique_ptr<Communicator>> replicate =
+      factory(ReplicateGroup(shape, rank, prefix));
+  if (!replicate.ok()) return replicate.status();
+  return std::unique_ptr<DeviceMesh>(
+      new DeviceMesh(shape, rank, *std::move(shard), *std::move(replicate)));
+}
+
+CommunicatorFactory GlooCommunicatorFactory(
+    Store& store, std::shared_ptr<gloo::transport::Device> device,
+    absl::Duration timeout) {
+  return [&store, device = std::move(device), timeout](const GroupSpec& group)
+             -> absl::StatusOr<std::unique_ptr<Communicator>> {
+    GlooCommunicatorOptions options;
+    options.name = absl::StrCat("gloo:", group.kind);
+    options.timeout = timeout;
+    absl::StatusOr<std::unique_ptr<GlooCommunicator>> comm =
+        GlooCommunicator::Create(store, group.prefix, group.rank, group.size,
+                                 device, options);
+    if (!comm.ok()) return comm.status();
+    return std::unique_ptr<Communicator>(*std::move(comm));
+  };
+}
+
+absl::StatusOr<std::unique_ptr<DeviceMesh>> DeviceMesh::CreateGloo(
+    const MeshShape& shape, int rank, Store& store, const std::string& prefix,
+    const GlooDeviceOptions& device_options, absl::Duration timeout) {
+  absl::StatusOr<std::shared_ptr<gloo::transport::Device>> device =
+      CreateGlooDevice(device_options);
+  if (!device.ok()) return device.status();
+  return Create(shape, rank, prefix,
+                GlooCommunicatorFactory(store, *std::move(device), timeout));
+}
+
+}  // namespace hsdp::comm

@@ -1,0 +1,104 @@
+// DeviceMesh: the world of ranks as replicate × shard, with rank =
+// replicate_index * shard + shard_index (the team-wide convention; "RxS" on
+// command lines). Each rank gets two communicators:
+//   shard group     — the `shard` ranks with its replicate_index (FSDP
+//   all-gather/reduce-scatter), replicate group — the `replicate` ranks with
+//   its shard_index (HSDP all-reduce).
+// A group of size 1 still gets a communicator so the engine need not
+// special-case it.
+#ifndef HSDP_WORKER_COMM_DEVICE_MESH_H_
+#define HSDP_WORKER_COMM_DEVICE_MESH_H_
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "worker/comm/communicator.h"
+#include "worker/comm/gloo_communicator.h"
+#include "worker/comm/store.h"
+
+namespace hsdp::comm {
+
+struct MeshShape {
+  int replicate = 1;
+  int shard = 1;
+  int world_size() const { return replicate * shard; }
+};
+
+// Parses "RxS" (e.g. "2x2"); INVALID_ARGUMENT on anything else or non-positive
+// sizes.
+absl::StatusOr<MeshShape> ParseMeshShape(const std::string& text);
+
+// One communication group as the factory sees it.
+struct GroupSpec {
+  std::string kind;    // "shard" or "replicate"
+  std::string prefix;  // store prefix, distinct per group
+  int rank = 0;        // this rank's index within the group
+  int size = 1;        // group size
+  std::vector<int>
+      global_ranks;  // world ranks of the group, in group-rank order
+};
+
+// Creates the communicator of one group for this rank (Gloo, NCCL, ...). Called
+// twice per rank, shard group first, then replicate group, on every rank in the
+// same order.
+using CommunicatorFactory =
+    std::function<absl::StatusOr<std::unique_ptr<Communicator>>(
+        const GroupSpec& group)>;
+
+// A factory building GlooCommunicators through `store` on one shared tcp
+// device; errors and name() read "gloo:shard" / "gloo:replicate". `store` must
+// outlive the factory calls.
+CommunicatorFactory GlooCommunicatorFactory(
+    Store& store, std::shared_ptr<gloo::transport::Device> device,
+    absl::Duration timeout);
+
+// Immutable after Create; the communicators follow the Communicator
+// thread-safety rules.
+class DeviceMesh {
+ public:
+  // Builds this rank's groups with `factory`; group prefixes are
+  // "<prefix>/shard/<replicate index>" and "<prefix>/replicate/<shard index>".
+  static absl::StatusOr<std::unique_ptr<DeviceMesh>> Create(
+      const MeshShape& shape, int rank, const std::string& prefix,
+      const CommunicatorFactory& factory);
+  // Convenience: a Gloo mesh with its own tcp device.
+  static absl::StatusOr<std::unique_ptr<DeviceMesh>> CreateGloo(
+      const MeshShape& shape, int rank, Store& store, const std::string& prefix,
+      const GlooDeviceOptions& device_options, absl::Duration timeout);
+
+  DeviceMesh(const DeviceMesh&) = delete;
+  DeviceMesh& operator=(const DeviceMesh&) = delete;
+
+  const MeshShape& shape() const { return shape_; }
+  int rank() const { return rank_; }
+  int world_size() const { return shape_.world_size(); }
+  int replicate_index() const { return rank_ / shape_.shard; }
+  int shard_index() const { return rank_ % shape_.shard; }
+
+  Communicator& shard() const { return *shard_; }
+  Communicator& replicate() const { return *replicate_; }
+
+  // The group specs this rank belongs to (also what the factory received).
+  static GroupSpec ShardGroup(const MeshShape& shape, int rank,
+                              const std::string& prefix);
+  static GroupSpec ReplicateGroup(const MeshShape& shape, int rank,
+                                  const std::string& prefix);
+
+ private:
+  DeviceMesh(MeshShape shape, int rank, std::unique_ptr<Communicator> shard,
+             std::unique_ptr<Communicator> replicate);
+
+  const MeshShape shape_;
+  const int rank_;
+  // Destroyed replicate first, then shard (reverse of creation).
+  std::unique_ptr<Communicator> shard_;
+  std::unique_ptr<Communicator> replicate_;
+};
+
+}  // namespace hsdp::comm
+
+#endif  // HSDP_WORKER_COMM_DEVICE_MESH_H_

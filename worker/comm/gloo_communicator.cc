@@ -1,0 +1,383 @@
+#include "worker/comm/gloo_communicator.h"
+
+#include <chrono>
+#include <cstring>
+#include <exception>
+#include <utility>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "gloo/allgather.h"
+#include "gloo/allreduce.h"
+#include "gloo/alltoall.h"
+#include "gloo/barrier.h"
+#include "gloo/broadcast.h"
+#include "gloo/common/error.h"
+#include "gloo/rendezvous/context.h"
+#include "gloo/transport/tcp/device.h"
+#include "worker/comm/gloo_store.h"
+#include "worker/comm/reduce_kernels.h"
+
+namespace hsdp::comm {
+namespace {
+
+// Gloo's tcp transport says this when a send/recv did not complete within the
+// timeout.
+constexpr char kGlooTimeoutText[] = "Timed out";
+
+std::chrono::milliseconds ToChrono(absl::Duration d) {
+  return std::chrono::milliseconds(absl::ToInt64Milliseconds(d));
+}
+
+// Calls fn(T{}) with an unsigned integer type T of `element_size` bytes.
+template <typename Fn>
+void WithElementOfSize(size_t element_size, Fn&& fn) {
+  switch (element_size) {
+    case 1:
+      return fn(uint8_t{});
+    case 2:
+      return fn(uint16_t{});
+    case 4:
+      return fn(uint32_t{});
+    default:
+      return fn(uint64_t{});
+  }
+}
+
+// Completion state shared by the comm thread (producer) and the Work handle
+// (consumer); shared so a Work dropped without Wait() does not dangle.
+struct WorkState {
+  absl::Mutex mu;
+  bool done ABSL_GUARDED_BY(mu) = false;
+  absl::Status status ABSL_GUARDED_BY(mu);
+  double elapsed_seconds ABSL_GUARDED_BY(mu) = 0;
+
+  void Complete(absl::Status s, double elapsed) {
+    absl::MutexLock lock(&mu);
+    status = std::move(s);
+    elapsed_seconds = elapsed;
+    done = true;
+  }
+};
+
+}  // namespace
+
+struct GlooCommunicator::Task {
+  std::string what;
+  std::function<void(uint32_t tag)> run;
+  uint32_t tag = 0;
+  std::shared_ptr<WorkState> state;
+};
+
+// Thread-compatible handle (one waiter), see Work.
+class GlooCommunicator::GlooWork final : public Work {
+ public:
+  explicit GlooWork(std::shared_ptr<WorkState> state)
+      : state_(std::move(state)) {}
+
+  absl::Status Wait() override {
+    absl::MutexLock lock(&state_->mu);
+    state_->mu.Await(absl::Condition(&state_->done));
+    return state_->status;
+  }
+  bool IsCompleted() override {
+    absl::MutexLock lock(&state_->mu);
+    return state_->done;
+  }
+  double ElapsedSeconds() const override {
+    absl::MutexLock lock(&state_->mu);
+    return state_->elapsed_seconds;
+  }
+
+ private:
+  std::shared_ptr<WorkState> state_;
+};
+
+absl::StatusOr<std::shared_ptr<gloo::transport::Device>> CreateGlooDevice(
+    const GlooDeviceOptions& options) {
+  if (!options.hostname.empty() && !options.iface.empty()) {
+    return absl::InvalidArgumentError(
+        "set either a Gloo hostname or an interface, not both");
+  }
+  gloo::transport::tcp::attr attr;
+  attr.hostname = options.hostname;
+  attr.iface = options.iface;
+  try {
+    return gloo::transport::tcp::CreateDevice(attr);
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(absl::StrCat(
+        "cannot create Gloo tcp device (hostname '", options.hostname,
+        "', iface '", options.iface, "'): ", e.what()));
+  }
+}
+
+absl::StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::Create(
+    Store& store, const std::string& prefix, int rank, int size,
+    std::shared_ptr<gloo::transport::Device> device,
+    const GlooCommunicatorOptions& options) {
+  if (size < 1 || rank < 0 || rank >= size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(options.name, ": bad rank ", rank, " for size ", size));
+  }
+  if (device == nullptr)
+    return absl::InvalidArgumentError(options.name + ": no Gloo device");
+  if (options.timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(options.name +
+                                      ": timeout must be positive");
+  }
+  auto context = std::make_shared<gloo::rendezvous::Context>(rank, size);
+  context->setTimeout(ToChrono(options.timeout));
+  GlooStoreAdapter gloo_store(store, prefix, options.timeout);
+  try {
+    context->connectFullMesh(gloo_store, device);
+  } catch (const std::exception& e) {
+    const std::string where =
+        absl::StrCat(options.name, " (rank ", rank, " of ", size,
+                     ", store prefix '", prefix, "'): rendezvous failed");
+    absl::Status store_error = gloo_store.first_error();
+    if (!store_error.ok()) {
+      // Gloo waits for key "<r>" of every peer r: a missing key names the rank
+      // that never came.
+      return absl::Status(store_error.code(),
+                          absl::StrCat(where, ", a peer never arrived: ",
+                                       store_error.message()));
+    }
+    const bool timed_out = absl::StrContains(e.what(), kGlooTimeoutText) ||
+                           absl::StrContains(e.what(), "timeout");
+    return absl::Status(timed_out ? absl::StatusCode::kDeadlineExceeded
+                                  : absl::StatusCode::kUnavailable,
+                        absl::StrCat(where, ": ", e.what()));
+  }
+  return std::unique_ptr<GlooCommunicator>(new GlooCommunicator(
+      std::move(context), options.name, rank, size, options.timeout));
+}
+
+GlooCommunicator::GlooCommunicator(std::shared_ptr<gloo::Context> context,
+                                   std::string name, int rank, int size,
+                                   absl::Duration timeout)
+    : context_(std::move(context)),
+      name_(std::move(name)),
+      rank_(rank),
+      size_(size),
+      timeout_(timeout) {
+  thread_ = std::thread([this] { Loop(); });
+}
+
+GlooCommunicator::~GlooCommunicator() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  thread_.join();
+  // context_ (and with it the TCP pairs) goes when the last reference does:
+  // here.
+}
+
+std::string GlooCommunicator::Describe(const std::string& what) const {
+  return absl::StrCat(what, " on ", name_, " (rank ", rank_, " of ", size_,
+                      ")");
+}
+
+absl::Status GlooCommunicator::CurrentExceptionToStatus(
+    const std::string& what) const {
+  const std::string where = Describe(what);
+  try {
+    throw;
+  } catch (const gloo::IoException& e) {
+    const std::string text = e.what();
+    if (absl::StrContains(text, kGlooTimeoutText)) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          where, " timed out after ", absl::FormatDuration(timeout_),
+          ": a peer of this group did not take part (never issued it, stuck, "
+          "or dead); Gloo: ",
+          text));
+    }
+    return absl::UnavailableError(absl::StrCat(
+        where,
+        " failed: lost a peer (connection closed or reset); Gloo: ", text));
+  } catch (const gloo::Exception& e) {
+    return absl::InternalError(
+        absl::StrCat(where, " failed in Gloo: ", e.what()));
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat(where, " failed: ", e.what()));
+  } catch (...) {
+    return absl::InternalError(
+        absl::StrCat(where, " failed with an unknown exception"));
+  }
+}
+
+void GlooCommunicator::Loop() {
+  for (;;) {
+    std::unique_ptr<Task> task;
+    {
+      absl::MutexLock lock(&mu_);
+      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return stopping_ || !queue_.empty();
+      };
+      mu_.Await(absl::Condition(&ready));
+      // Drain: stop only once everything issued has run.
+      if (queue_.empty()) return;
+      task = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    if (!broken_.ok()) {
+      task->state->Complete(
+          absl::Status(
+              broken_.code(),
+              absl::StrCat(Describe(task->what),
+                           " not run: the communicator failed earlier: ",
+                           broken_.message())),
+          0);
+      continue;
+    }
+    const absl::Time start = absl::Now();
+    absl::Status status;
+    try {
+      task->run(task->tag);
+    } catch (...) {
+      status = CurrentExceptionToStatus(task->what);
+      broken_ = status;
+    }
+    task->state->Complete(std::move(status),
+                          absl::ToDoubleSeconds(absl::Now() - start));
+  }
+}
+
+std::unique_ptr<Work> GlooCommunicator::Enqueue(
+    std::string what, std::function<void(uint32_t tag)> run) {
+  auto task = std::make_unique<Task>();
+  task->run = std::move(run);
+  task->state = std::make_shared<WorkState>();
+  auto work = std::make_unique<GlooWork>(task->state);
+  absl::MutexLock lock(&mu_);
+  // Tags only need to differ between collectives in flight at once; the issue
+  // counter (the same on every rank by the ordering contract) gives that,
+  // wrapping after 2^32 calls.
+  task->tag = static_cast<uint32_t>(issued_);
+  task->what = absl::StrCat(what, " #", issued_);
+  ++issued_;
+  queue_.push_back(std::move(task));
+  return work;
+}
+
+std::unique_ptr<Work> GlooCommunicator::Failed(absl::Status status) {
+  auto state = std::make_shared<WorkState>();
+  state->Complete(std::move(status), 0);
+  return std::make_unique<GlooWork>(std::move(state));
+}
+
+std::unique_ptr<Work> GlooCommunicator::AllGather(const Buffer& input,
+                                                  const Buffer& output) {
+  if (input.dtype != output.dtype || output.count != input.count * size_ ||
+      input.count < 0) {
+    return Failed(absl::InvalidArgumentError(absl::StrCat(
+        Describe("AllGather"),
+        ": output must hold size() x input elements of the same dtype (input ",
+        input.count, " ", DataTypeName(input.dtype), ", output ", output.count,
+        " ", DataTypeName(output.dtype), ")")));
+  }
+  const size_t bytes = input.bytes();
+  char* out = static_cast<char*>(output.data);
+  const bool in_place = input.data == out + rank_ * bytes;
+  return Enqueue(absl::StrCat("AllGather(", bytes, " B/rank)"),
+                 [this, in = static_cast<char*>(input.data), out, bytes,
+                  in_place](uint32_t tag) {
+                   if (bytes == 0) return;
+                   gloo::AllgatherOptions opts(context_);
+                   // Without an input Gloo takes this rank's part from the
+                   // output (in place).
+                   if (!in_place) opts.setInput(in, bytes);
+                   opts.setOutput(out, bytes * size_);
+                   opts.setTag(tag);
+                   gloo::allgather(opts);
+                 });
+}
+
+std::unique_ptr<Work> GlooCommunicator::ReduceScatter(const Buffer& input,
+                                                      const Buffer& output,
+                                                      ReduceOp op) {
+  if (input.dtype != output.dtype || input.count != output.count * size_ ||
+      output.count < 0) {
+    return Failed(absl::InvalidArgumentError(absl::StrCat(
+        Describe("ReduceScatter"),
+        ": input must hold size() x output elements of the same dtype (input ",
+        input.count, " ", DataTypeName(input.dtype), ", output ", output.count,
+        " ", DataTypeName(output.dtype), ")")));
+  }
+  const DataType dtype = input.dtype;
+  const int64_t count = output.count;
+  return Enqueue(absl::StrCat("ReduceScatter(", output.bytes(), " B/rank, ",
+                              DataTypeName(dtype), ")"),
+                 [this, in = static_cast<char*>(input.data), out = output.data,
+                  count, dtype, op](uint32_t tag) {
+                   if (count == 0) return;
+                   const size_t total_bytes =
+                       static_cast<size_t>(count) * ElementSize(dtype) * size_;
+                   if (scratch_.size() < total_bytes)
+                     scratch_.resize(total_bytes);
+                   // After the all-to-all, scratch chunk r holds rank r's
+                   // contribution to our shard.
+                   gloo::AlltoallOptions opts(context_);
+                   opts.setInput(in, total_bytes);
+                   opts.setOutput(scratch_.data(), total_bytes);
+                   opts.setTag(tag);
+                   gloo::alltoall(opts);
+                   ReduceChunks(scratch_.data(), size_, count, dtype, op, out);
+                 });
+}
+
+std::unique_ptr<Work> GlooCommunicator::AllReduce(const Buffer& buffer,
+                                                  ReduceOp op) {
+  const DataType dtype = buffer.dtype;
+  const size_t element_size = ElementSize(dtype);
+  return Enqueue(absl::StrCat("AllReduce(", buffer.bytes(), " B, ",
+                              DataTypeName(dtype), ")"),
+                 [this, data = static_cast<char*>(buffer.data),
+                  count = buffer.count, element_size, dtype, op](uint32_t tag) {
+                   if (count == 0) return;
+                   gloo::AllreduceOptions opts(context_);
+                   // Gloo only needs the element size (it splits segments on
+                   // element boundaries); the reduce function does the dtype's
+                   // arithmetic.
+                   WithElementOfSize(element_size, [&](auto element) {
+                     opts.setOutput(reinterpret_cast<decltype(element)*>(data),
+                                    static_cast<size_t>(count));
+                   });
+                   opts.setReduceFunction(
+                       [dtype](void* out, const void* a, const void* b,
+                               size_t n) { AddBuffers(dtype, out, a, b, n); });
+                   opts.setTag(tag);
+                   gloo::allreduce(opts);
+                   if (op == ReduceOp::kAvg)
+                     DivideBuffer(dtype, data, count, size_);
+                 });
+}
+
+std::unique_ptr<Work> GlooCommunicator::Broadcast(const Buffer& buffer,
+                                                  int root) {
+  if (root < 0 || root >= size_) {
+    return Failed(absl::InvalidArgumentError(
+        absl::StrCat(Describe("Broadcast"), ": root ", root, " out of range")));
+  }
+  return Enqueue(
+      absl::StrCat("Broadcast(", buffer.bytes(), " B from ", root, ")"),
+      [this, data = static_cast<char*>(buffer.data), bytes = buffer.bytes(),
+       root](uint32_t tag) {
+        if (bytes == 0) return;
+        gloo::BroadcastOptions opts(context_);
+        opts.setOutput(data, bytes);
+        opts.setRoot(root);
+        opts.setTag(tag);
+        gloo::broadcast(opts);
+      });
+}
+
+std::unique_ptr<Work> GlooCommunicator::Barrier() {
+  return Enqueue("Barrier", [this](uint32_t tag) {
+    gloo::BarrierOptions opts(context_);
+    opts.setTag(tag);
+    gloo::barrier(opts);
+  });
+}
+
+}  // namespace hsdp::comm

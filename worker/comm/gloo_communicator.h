@@ -1,0 +1,144 @@
+// Gloo backend of Communicator: CPU collectives over TCP.
+//
+// Each GlooCommunicator owns one gloo::rendezvous::Context (a full mesh of TCP
+// pairs set up through a Store) and one communication thread that runs the
+// issued collectives in issue order, so the training thread only enqueues and
+// later waits. Several communicators of one process (e.g. the shard and
+// replicate groups of a DeviceMesh) can share one tcp device.
+//
+// Failure model: every collective is bounded by the communicator's timeout. A
+// Gloo error (timeout, peer closed its sockets) completes the Work with
+// DEADLINE_EXCEEDED or UNAVAILABLE naming the collective, the communicator and
+// the peer when Gloo says; the communicator is then unusable (its TCP pairs are
+// in an unknown state) and every later call fails fast with that error.
+#ifndef HSDP_WORKER_COMM_GLOO_COMMUNICATOR_H_
+#define HSDP_WORKER_COMM_GLOO_COMMUNICATOR_H_
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "worker/comm/communicator.h"
+#include "worker/comm/store.h"
+
+namespace gloo {
+class Context;
+namespace transport {
+class Device;
+}  // namespace transport
+}  // namespace gloo
+
+namespace hsdp::comm {
+
+// Where the tcp device listens. Set at most one of hostname / iface; with
+// neither, Gloo resolves the machine's hostname. Tests use hostname
+// "127.0.0.1".
+struct GlooDeviceOptions {
+  std::string hostname;
+  std::string iface;
+};
+
+// Creates a Gloo tcp device (one listening socket + one event-loop thread),
+// shareable by any number of GlooCommunicators of this process.
+absl::StatusOr<std::shared_ptr<gloo::transport::Device>> CreateGlooDevice(
+    const GlooDeviceOptions& options);
+
+struct GlooCommunicatorOptions {
+  // Shown in errors and name(), e.g. "gloo:shard".
+  std::string name = "gloo";
+  // Bounds the rendezvous and every collective.
+  absl::Duration timeout = absl::Seconds(30);
+};
+
+// Thread-safety: the Communicator methods may be called from any thread but, as
+// the interface says, in the same order on every rank; issuing is serialised
+// internally by a mutex. The collectives themselves run on the communicator's
+// own thread.
+class GlooCommunicator final : public Communicator {
+ public:
+  // Rendezvous of `size` ranks through `store` under `prefix` (distinct per
+  // group and per generation), then a full TCP mesh on `device`. Blocks until
+  // all ranks joined; DEADLINE_EXCEEDED naming the missing rank(s) after
+  // options.timeout.
+  static absl::StatusOr<std::unique_ptr<GlooCommunicator>> Create(
+      Store& store, const std::string& prefix, int rank, int size,
+      std::shared_ptr<gloo::transport::Device> device,
+      const GlooCommunicatorOptions& options);
+
+  GlooCommunicator(const GlooCommunicator&) = delete;
+  GlooCommunicator& operator=(const GlooCommunicator&) = delete;
+  // Runs the collectives still queued (each bounded by the timeout), joins the
+  // communication thread, then closes the TCP pairs; peers blocked on this rank
+  // then fail with UNAVAILABLE.
+  ~GlooCommunicator() override;
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  std::string name() const override { return name_; }
+
+  // AllGather works in place when input.data == output.data + rank *
+  // input.bytes().
+  std::unique_ptr<Work> AllGather(const Buffer& input,
+                                  const Buffer& output) override;
+  // Built from gloo::alltoall + a local sum in rank order (deterministic,
+  // identical bits for any issue pattern); bf16/fp16 are summed in float and
+  // rounded once. `output` may alias `input`.
+  std::unique_ptr<Work> ReduceScatter(const Buffer& input, const Buffer& output,
+                                      ReduceOp op) override;
+  std::unique_ptr<Work> AllReduce(const Buffer& buffer, ReduceOp op) override;
+  std::unique_ptr<Work> Broadcast(const Buffer& buffer, int root) override;
+  std::unique_ptr<Work> Barrier() override;
+
+  absl::Duration timeout() const { return timeout_; }
+
+ private:
+  struct Task;
+  class GlooWork;
+
+  GlooCommunicator(std::shared_ptr<gloo::Context> context, std::string name,
+                   int rank, int size, absl::Duration timeout);
+
+  // Queues `run` (executed on the comm thread with a fresh tag) and returns its
+  // Work.
+  std::unique_ptr<Work> Enqueue(std::string what,
+                                std::function<void(uint32_t tag)> run);
+  // A Work already completed with `status` (argument errors found at issue
+  // time).
+  std::unique_ptr<Work> Failed(absl::Status status);
+  void Loop();
+  // Converts the in-flight exception of a failed collective into a Status.
+  absl::Status CurrentExceptionToStatus(const std::string& what) const;
+  std::string Describe(const std::string& what) const;
+
+  const std::shared_ptr<gloo::Context> context_;
+  const std::string name_;
+  const int rank_;
+  const int size_;
+  const absl::Duration timeout_;
+
+  absl::Mutex mu_;
+  std::deque<std::unique_ptr<Task>> queue_ ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  uint64_t issued_ ABSL_GUARDED_BY(mu_) = 0;
+
+  // Comm-thread only: first failure (makes the communicator unusable) and the
+  // reduce-scatter receive buffer, kept across calls to avoid a large
+  // allocation per call.
+  absl::Status broken_;
+  std::vector<char> scratch_;
+
+  std::thread thread_;
+};
+
+}  // namespace hsdp::comm
+
+#endif  // HSDP_WORKER_COMM_GLOO_COMMUNICATOR_H_

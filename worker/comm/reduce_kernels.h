@@ -1,0 +1,37 @@
+// Host-side reduction kernels shared by the Gloo backend: half-precision
+// conversions and the local sums behind reduce-scatter / all-reduce. Torch-free
+// on purpose (see communicator.h).
+#ifndef HSDP_WORKER_COMM_REDUCE_KERNELS_H_
+#define HSDP_WORKER_COMM_REDUCE_KERNELS_H_
+
+#include <cstddef>
+#include <cstdint>
+
+#include "worker/comm/communicator.h"
+
+namespace hsdp::comm {
+
+// Round-to-nearest-even conversions (NaN stays NaN, overflow goes to infinity).
+float BFloat16ToFloat(uint16_t bits);
+uint16_t FloatToBFloat16(float value);
+float HalfToFloat(uint16_t bits);
+uint16_t FloatToHalf(float value);
+
+// out[i] = (chunks[0][i] + chunks[1][i] + ... + chunks[num_chunks-1][i]) [/
+// num_chunks for kAvg], where chunk k starts at element k * count of `chunks`.
+// Summed left to right, in float for bf16/fp16 and rounded once. `out` may be
+// chunk 0 but must not overlap the other chunks.
+void ReduceChunks(const void* chunks, int num_chunks, int64_t count,
+                  DataType dtype, ReduceOp op, void* out);
+
+// out[i] = a[i] + b[i] in `dtype` (the elementwise function Gloo's allreduce
+// calls).
+void AddBuffers(DataType dtype, void* out, const void* a, const void* b,
+                size_t count);
+
+// data[i] /= divisor in `dtype` (integer types truncate).
+void DivideBuffer(DataType dtype, void* data, int64_t count, int divisor);
+
+}  // namespace hsdp::comm
+
+#endif  // HSDP_WORKER_COMM_REDUCE_KERNELS_H_
