@@ -1,0 +1,127 @@
+// InMemoryStore, the Gloo store adapter and the reduction kernels,
+// single-threaded where possible.
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/time/clock.h"
+#include "gloo/common/error.h"
+#include "gtest/gtest.h"
+#include "worker/comm/communicator.h"
+#include "worker/comm/gloo_store.h"
+#include "worker/comm/in_memory_store.h"
+#include "worker/comm/reduce_kernels.h"
+
+namespace hsdp::comm {
+namespace {
+
+TEST(InMemoryStoreTest, GetBlocksUntilSetFromAnotherThread) {
+  InMemoryStore store;
+  std::thread setter([&] {
+    absl::SleepFor(absl::Milliseconds(50));
+    ASSERT_TRUE(store.Set("a/b", std::string("v\0w", 3)).ok());
+  });
+  absl::StatusOr<std::string> value = store.Get("a/b", absl::Seconds(10));
+  setter.join();
+  ASSERT_TRUE(value.ok()) << value.status();
+  EXPECT_EQ(*value, std::string("v\0w", 3));  // binary-safe
+  EXPECT_EQ(store.size(), 1u);
+}
+
+TEST(InMemoryStoreTest, WaitTimesOutNamingMissingKeys) {
+  InMemoryStore store;
+  ASSERT_TRUE(store.Set("present", "1").ok());
+  const absl::Time start = absl::Now();
+  absl::Status status =
+      store.Wait({"present", "missing/7"}, absl::Milliseconds(100));
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(100));
+  EXPECT_EQ(status.code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_NE(status.message().find("missing/7"), std::string::npos) << status;
+  EXPECT_EQ(status.message().find("present"), std::string::npos) << status;
+  EXPECT_EQ(store.Get("nope", absl::Milliseconds(10)).status().code(),
+            absl::StatusCode::kDeadlineExceeded);
+}
+
+TEST(GlooStoreAdapterTest, PrefixesKeysAndHonoursTimeout) {
+  InMemoryStore store;
+  GlooStoreAdapter adapter(store, "job/shard/0", absl::Seconds(5));
+  adapter.set("3", {'x', '\0', 'y'});
+  absl::StatusOr<std::string> raw =
+      store.Get("job/shard/0/3", absl::ZeroDuration());
+  ASSERT_TRUE(raw.ok()) << raw.status();
+  EXPECT_EQ(*raw, std::string("x\0y", 3));
+  EXPECT_EQ(adapter.get("3"), std::vector<char>({'x', '\0', 'y'}));
+  EXPECT_TRUE(adapter.first_error().ok());
+
+  const absl::Time start = absl::Now();
+  EXPECT_THROW(adapter.wait({"3", "4"}, std::chrono::milliseconds(100)),
+               gloo::IoException);
+  EXPECT_LT(absl::Now() - start,
+            absl::Seconds(2));  // not the 5 s default: the override is used
+  EXPECT_EQ(adapter.first_error().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_NE(adapter.first_error().message().find("job/shard/0/4"),
+            std::string::npos);
+}
+
+TEST(ReduceKernelsTest, HalfPrecisionConversions) {
+  // bf16: exact values, round-to-nearest-even, NaN.
+  EXPECT_EQ(FloatToBFloat16(1.0f), 0x3f80);
+  EXPECT_EQ(BFloat16ToFloat(0xc000), -2.0f);
+  EXPECT_EQ(BFloat16ToFloat(FloatToBFloat16(257.0f)),
+            256.0f);  // tie goes to even
+  EXPECT_EQ(BFloat16ToFloat(FloatToBFloat16(259.0f)),
+            260.0f);  // tie goes to even
+  EXPECT_TRUE(std::isnan(BFloat16ToFloat(FloatToBFloat16(std::nanf("")))));
+  // fp16: normal, subnormal, overflow, infinity, rounding.
+  EXPECT_EQ(FloatToHalf(1.0f), 0x3c00);
+  EXPECT_EQ(FloatToHalf(-2.5f), 0xc100);
+  EXPECT_EQ(HalfToFloat(0x0001), std::ldexp(1.0f, -24));  // smallest subnormal
+  EXPECT_EQ(FloatToHalf(std::ldexp(1.0f, -24)), 0x0001);
+  EXPECT_EQ(FloatToHalf(std::ldexp(1.0f, -26)),
+            0x0000);                         // below half the smallest: zero
+  EXPECT_EQ(FloatToHalf(65504.0f), 0x7bff);  // largest finite
+  EXPECT_EQ(FloatToHalf(70000.0f), 0x7c00);  // overflow to inf
+  EXPECT_EQ(HalfToFloat(0x7c00), std::numeric_limits<float>::infinity());
+  EXPECT_EQ(HalfToFloat(FloatToHalf(2049.0f)), 2048.0f);  // tie goes to even
+  EXPECT_EQ(HalfToFloat(FloatToHalf(2051.0f)), 2052.0f);
+  for (uint32_t bits = 0; bits < 0x7c00;
+       ++bits) {  // every finite positive half round-trips
+    ASSERT_EQ(FloatToHalf(HalfToFloat(static_cast<uint16_t>(bits))), bits);
+  }
+}
+
+TEST(ReduceKernelsTest, ReduceChunksSumsInRankOrder) {
+  // fp32: ((c0 + c1) + c2) left to right, in place into chunk 0: 1e8 + 1 rounds back to 1e8, so
+  // the result is 0 (another order would give 1).
+  std::vector<float> chunks = {1e8f, 0.5f, 1.0f, 0.25f, -1e8f, 0.25f};
+  ReduceChunks(chunks.data(), 3, 2, DataType::kFloat32, ReduceOp::kSum, chunks.data());
+  EXPECT_EQ(chunks[0], 0.0f);
+  EXPECT_EQ(chunks[1], 1.0f);
+  std::vector<double> avg_in = {1, 2, 4, 8};
+  double avg_out[2];
+  ReduceChunks(avg_in.data(), 2, 2, DataType::kFloat64, ReduceOp::kAvg,
+               avg_out);
+  EXPECT_EQ(avg_out[0], 2.5);
+  EXPECT_EQ(avg_out[1], 5.0);
+  // Elementwise add and divide used by all-reduce.
+  std::vector<uint16_t> a = {FloatToBFloat16(1.5f)},
+                        b = {FloatToBFloat16(2.5f)};
+  AddBuffers(DataType::kBFloat16, a.data(), a.data(), b.data(), 1);
+  EXPECT_EQ(BFloat16ToFloat(a[0]), 4.0f);
+  DivideBuffer(DataType::kBFloat16, a.data(), 1, 8);
+  EXPECT_EQ(BFloat16ToFloat(a[0]), 0.5f);
+}
+
+TEST(CommunicatorTest, ElementSizesAndNames) {
+  EXPECT_EQ(ElementSize(DataType::kBFloat16), 2u);
+  EXPECT_EQ(ElementSize(DataType::kFloat64), 8u);
+  EXPECT_EQ(ElementSize(DataType::kUInt8), 1u);
+  EXPECT_STREQ(DataTypeName(DataType::kFloat16), "float16");
+  EXPECT_EQ((Buffer{nullptr, 10, DataType::kInt32}.bytes()), 40u);
+}
+
+}  // namespace
+}  // namespace hsdp::comm
