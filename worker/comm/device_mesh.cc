@@ -2,48 +2,31 @@
 
 #include <utility>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_split.h"
 
 namespace hsdp::comm {
 
-absl::StatusOr<MeshShape> ParseMeshShape(const std::string& text) {
-  std::vector<std::string> parts = absl::StrSplit(text, 'x');
-  MeshShape shape;
-  if (parts.size() != 2 || !absl::SimpleAtoi(parts[0], &shape.replicate) ||
-      !absl::SimpleAtoi(parts[1], &shape.shard) || shape.replicate < 1 ||
-      shape.shard < 1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "mesh must be RxS with positive integers (e.g. 2x2), got '", text,
-        "'"));
-  }
-  return shape;
-}
-
 GroupSpec DeviceMesh::ShardGroup(const MeshShape& shape, int rank,
                                  const std::string& prefix) {
-  const int replicate_index = rank / shape.shard;
+  const MeshCoord coord = RankToCoord(shape, rank);
   GroupSpec group;
   group.kind = "shard";
-  group.prefix = absl::StrCat(prefix, "/shard/", replicate_index);
-  group.rank = rank % shape.shard;
+  group.prefix = absl::StrCat(prefix, "/shard/", coord.replicate_index);
+  group.rank = coord.shard_index;
   group.size = shape.shard;
-  for (int s = 0; s < shape.shard; ++s)
-    group.global_ranks.push_back(replicate_index * shape.shard + s);
+  group.global_ranks = ShardGroupRanks(shape, rank);
   return group;
 }
 
 GroupSpec DeviceMesh::ReplicateGroup(const MeshShape& shape, int rank,
                                      const std::string& prefix) {
-  const int shard_index = rank % shape.shard;
+  const MeshCoord coord = RankToCoord(shape, rank);
   GroupSpec group;
   group.kind = "replicate";
-  group.prefix = absl::StrCat(prefix, "/replicate/", shard_index);
-  group.rank = rank / shape.shard;
+  group.prefix = absl::StrCat(prefix, "/replicate/", coord.shard_index);
+  group.rank = coord.replicate_index;
   group.size = shape.replicate;
-  for (int r = 0; r < shape.replicate; ++r)
-    group.global_ranks.push_back(r * shape.shard + shard_index);
+  group.global_ranks = ReplicateGroupRanks(shape, rank);
   return group;
 }
 

@@ -16,21 +16,16 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/mesh.h"
 #include "worker/comm/communicator.h"
 #include "worker/comm/gloo_communicator.h"
 #include "worker/comm/store.h"
 
 namespace hsdp::comm {
 
-struct MeshShape {
-  int replicate = 1;
-  int shard = 1;
-  int world_size() const { return replicate * shard; }
-};
-
-// Parses "RxS" (e.g. "2x2"); INVALID_ARGUMENT on anything else or non-positive
-// sizes.
-absl::StatusOr<MeshShape> ParseMeshShape(const std::string& text);
+// The team-wide mesh type and its arithmetic (ParseMesh, RankToCoord, ...) live
+// in common/mesh.h.
+using MeshShape = ::hsdp::MeshShape;
 
 // One communication group as the factory sees it.
 struct GroupSpec {
@@ -76,8 +71,10 @@ class DeviceMesh {
   const MeshShape& shape() const { return shape_; }
   int rank() const { return rank_; }
   int world_size() const { return shape_.world_size(); }
-  int replicate_index() const { return rank_ / shape_.shard; }
-  int shard_index() const { return rank_ % shape_.shard; }
+  int replicate_index() const {
+    return RankToCoord(shape_, rank_).replicate_index;
+  }
+  int shard_index() const { return RankToCoord(shape_, rank_).shard_index; }
 
   Communicator& shard() const { return *shard_; }
   Communicator& replicate() const { return *replicate_; }

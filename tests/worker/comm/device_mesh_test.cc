@@ -13,19 +13,6 @@ namespace {
 
 using ::hsdp::comm::testing::RunOnRanks;
 
-TEST(DeviceMeshTest, ParseMeshShape) {
-  absl::StatusOr<MeshShape> shape = ParseMeshShape("2x4");
-  ASSERT_TRUE(shape.ok());
-  EXPECT_EQ(shape->replicate, 2);
-  EXPECT_EQ(shape->shard, 4);
-  EXPECT_EQ(shape->world_size(), 8);
-  for (const char* bad : {"", "2", "2x", "x2", "0x2", "2x-1", "2x2x2", "ax2"}) {
-    EXPECT_EQ(ParseMeshShape(bad).status().code(),
-              absl::StatusCode::kInvalidArgument)
-        << bad;
-  }
-}
-
 TEST(DeviceMeshTest, GroupArithmetic) {
   const MeshShape shape{
       2, 3};  // ranks 0..5; rank = replicate_index * 3 + shard_index
