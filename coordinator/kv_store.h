@@ -69,6 +69,12 @@ class KvStore {
   bool ReadyLocked(const Scope& scope,
                    const std::vector<std::string>& keys) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Blocks (releasing mu_) until ReadyLocked or the timeout; then checks the
+  // outcome.
+  absl::Status WaitLocked(const Scope& scope,
+                          const std::vector<std::string>& keys,
+                          absl::Duration timeout)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   mutable absl::Mutex mu_;
   std::map<Scope, std::map<std::string, std::string, std::less<>>> scopes_

@@ -135,8 +135,9 @@ class ScheduleLog {
   absl::StatusOr<int64_t> RequestCheckpoint();
 
   // Stops sealing after the first unsealed step and returns it (the last step
-  // that runs). Idempotent: a second call returns the same step.
-  int64_t Drain();
+  // that runs). Idempotent: a second call returns the same step. Fails only if
+  // persisting fails.
+  absl::StatusOr<int64_t> Drain();
 
   // Records a rank's step report: its completed step (moves the window, wakes
   // readers), checkpoint_saved (last_checkpoint_step advances when every rank
@@ -168,7 +169,9 @@ class ScheduleLog {
   int64_t FloorLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status SealThroughLocked(int64_t step, int64_t generation)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status RestoreLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status RestoreLocked(const hsdp::v1::Policy& initial_policy)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status PersistLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const Options options_;
   StateStore* const store_;

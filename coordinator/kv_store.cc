@@ -1,0 +1,117 @@
+#include "coordinator/kv_store.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+
+namespace hsdp::coordinator {
+
+std::string RendezvousPrefix(absl::string_view job_id, int64_t generation) {
+  return absl::StrCat("hsdp/", job_id, "/gen-", generation, "/");
+}
+
+absl::Status KvStore::Set(absl::string_view job_id, int64_t generation,
+                          absl::string_view key, std::string value) {
+  if (key.empty()) return absl::InvalidArgumentError("store key is empty");
+  if (key.size() > kMaxKvKeyBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "store key is ", key.size(), " bytes; the limit is ", kMaxKvKeyBytes));
+  }
+  if (value.size() > kMaxKvValueBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("store value for ", key, " is ", value.size(),
+                     " bytes; the limit is ", kMaxKvValueBytes));
+  }
+  absl::MutexLock lock(&mu_);
+  auto& scope = scopes_[Scope(std::string(job_id), generation)];
+  auto it = scope.find(key);
+  if (it != scope.end()) {
+    it->second = std::move(value);
+    return absl::OkStatus();
+  }
+  if (scope.size() >= kMaxKvKeysPerScope) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("store of generation ", generation, " already holds ",
+                     scope.size(), " keys"));
+  }
+  scope.emplace(std::string(key), std::move(value));
+  return absl::OkStatus();
+}
+
+bool KvStore::ReadyLocked(const Scope& scope,
+                          const std::vector<std::string>& keys) const {
+  if (shutdown_) return true;
+  auto it = scopes_.find(scope);
+  if (it == scopes_.end()) return keys.empty();
+  for (const auto& key : keys) {
+    if (it->second.find(key) == it->second.end()) return false;
+  }
+  return true;
+}
+
+absl::Status KvStore::WaitLocked(const Scope& scope,
+                                 const std::vector<std::string>& keys,
+                                 absl::Duration timeout) {
+  const absl::Time deadline =
+      absl::Now() + std::max(timeout, absl::ZeroDuration());
+  auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return ReadyLocked(scope, keys);
+  };
+  // Set() needs no explicit signal: Await re-evaluates the condition whenever
+  // mu_ is released by a writer.
+  mu_.AwaitWithDeadline(absl::Condition(&ready), deadline);
+  if (shutdown_) return absl::UnavailableError("coordinator is shutting down");
+  auto it = scopes_.find(scope);
+  for (const auto& key : keys) {
+    if (it == scopes_.end() || it->second.find(key) == it->second.end()) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("store key ", key, " (generation ", scope.second,
+                       ") not set within ", absl::FormatDuration(timeout)));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status KvStore::Wait(absl::string_view job_id, int64_t generation,
+                           const std::vector<std::string>& keys,
+                           absl::Duration timeout) {
+  absl::MutexLock lock(&mu_);
+  return WaitLocked(Scope(std::string(job_id), generation), keys, timeout);
+}
+
+absl::StatusOr<std::string> KvStore::Get(absl::string_view job_id,
+                                         int64_t generation,
+                                         absl::string_view key,
+                                         absl::Duration timeout) {
+  const Scope scope(std::string(job_id), generation);
+  absl::MutexLock lock(&mu_);
+  absl::Status status = WaitLocked(scope, {std::string(key)}, timeout);
+  if (!status.ok()) return status;
+  return scopes_.find(scope)->second.find(key)->second;
+}
+
+void KvStore::DropGenerationsBefore(absl::string_view job_id,
+                                    int64_t generation) {
+  absl::MutexLock lock(&mu_);
+  for (auto it = scopes_.begin(); it != scopes_.end();) {
+    if (it->first.first == job_id && it->first.second < generation) {
+      it = scopes_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+void KvStore::Shutdown() {
+  absl::MutexLock lock(&mu_);
+  shutdown_ = true;
+}
+
+size_t KvStore::KeyCount(absl::string_view job_id, int64_t generation) const {
+  absl::MutexLock lock(&mu_);
+  auto it = scopes_.find(Scope(std::string(job_id), generation));
+  return it == scopes_.end() ? 0 : it->second.size();
+}
+
+}  // namespace hsdp::coordinator

@@ -1,0 +1,358 @@
+#include "coordinator/schedule_log.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "common/policy.h"
+
+namespace hsdp::coordinator {
+namespace {
+
+// Refusal distance when Options::refuse_ahead is 0: this many read-ahead
+// windows.
+constexpr int kDefaultRefuseWindows = 4;
+
+}  // namespace
+
+ScheduleLog::ScheduleLog(Options options, StateStore* store)
+    : options_(options), store_(store) {
+  completed_.assign(options_.world_size, -1);
+}
+
+ScheduleLog::~ScheduleLog() = default;
+
+absl::StatusOr<std::unique_ptr<ScheduleLog>> ScheduleLog::Create(
+    Options options, const hsdp::v1::Policy& initial_policy,
+    StateStore* store) {
+  if (options.world_size < 1 || options.shard_size < 1 ||
+      options.read_ahead < 0 || options.refuse_ahead < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "schedule log options: world ", options.world_size, ", shard ",
+        options.shard_size, ", read-ahead ", options.read_ahead,
+        ", refuse-ahead ", options.refuse_ahead,
+        " (need world, shard >= 1 and read-ahead >= 0)"));
+  }
+  if (options.refuse_ahead == 0) {
+    options.refuse_ahead = kDefaultRefuseWindows * options.read_ahead;
+  }
+  options.refuse_ahead = std::max(options.refuse_ahead, options.read_ahead + 1);
+  if (absl::Status s = ValidatePolicy(initial_policy, {}); !s.ok()) return s;
+  std::unique_ptr<ScheduleLog> log(new ScheduleLog(options, store));
+  absl::MutexLock lock(&log->mu_);
+  if (absl::Status s = log->RestoreLocked(initial_policy); !s.ok()) return s;
+  return log;
+}
+
+absl::Status ScheduleLog::RestoreLocked(
+    const hsdp::v1::Policy& initial_policy) {
+  const PersistedState state =
+      store_ != nullptr ? store_->state() : PersistedState();
+  if (state.policies().empty()) {
+    policies_.push_back(PolicyInfo{initial_policy, 1, 0});
+    return PersistLocked();
+  }
+  restored_ = true;
+  for (const auto& record : state.policies()) {
+    policies_.push_back(
+        PolicyInfo{record.policy(), record.version(), record.effective_step()});
+  }
+  drain_step_ = state.has_drain_step() ? state.drain_step() : -1;
+  last_checkpoint_step_ =
+      state.has_last_checkpoint_step() ? state.last_checkpoint_step() : -1;
+  for (int64_t step : state.checkpoint_requests())
+    checkpoint_requests_.insert(step);
+  if (!state.units().empty()) {
+    planner_ = std::make_unique<Planner>(UnitListFromProto(state.units()),
+                                         options_.shard_size);
+  }
+  for (auto& [step, bytes] : store_->SealedSteps()) {
+    if (step != static_cast<int64_t>(sealed_.size())) {
+      return absl::DataLossError(
+          absl::StrCat("state directory ", store_->dir(), ": sealed step ",
+                       sealed_.size(), " is missing (found step ", step, ")"));
+    }
+    auto sealed = std::make_shared<SealedSchedule>();
+    sealed->step = step;
+    sealed->bytes = bytes;
+    if (!sealed->schedule.ParseFromString(bytes)) {
+      return absl::DataLossError(
+          absl::StrCat("sealed step ", step, " does not parse"));
+    }
+    sealed_.push_back(std::move(sealed));
+  }
+  // Completed steps are not persisted. Sealing the last restored step needed
+  // floor >= step - 1 - read_ahead, and the floor never decreases, so that much
+  // is known.
+  restored_floor_ =
+      static_cast<int64_t>(sealed_.size()) - 2 - options_.read_ahead;
+  return absl::OkStatus();
+}
+
+absl::Status ScheduleLog::PersistLocked() {
+  if (store_ == nullptr) return absl::OkStatus();
+  return store_->Update([&](PersistedState* s) {
+    s->clear_policies();
+    for (const PolicyInfo& info : policies_) {
+      auto* record = s->add_policies();
+      record->set_version(info.version);
+      record->set_effective_step(info.effective_step);
+      *record->mutable_policy() = info.policy;
+    }
+    s->set_drain_step(drain_step_);
+    s->set_last_checkpoint_step(last_checkpoint_step_);
+    s->clear_checkpoint_requests();
+    for (int64_t step : checkpoint_requests_) {
+      if (step >= static_cast<int64_t>(sealed_.size()))
+        s->add_checkpoint_requests(step);
+    }
+  });
+}
+
+absl::Status ScheduleLog::SetUnits(const UnitList& units) {
+  absl::MutexLock lock(&mu_);
+  if (planner_ != nullptr) {
+    absl::Status same = CompareUnitLists(units, planner_->units());
+    if (!same.ok()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the schedule log already has a unit list: ", same.message()));
+    }
+    return absl::OkStatus();
+  }
+  if (absl::Status s = ValidateUnitList(units); !s.ok()) return s;
+  planner_ = std::make_unique<Planner>(units, options_.shard_size);
+  absl::Status policy_ok = ValidatePolicy(policies_.back().policy, units);
+  if (!policy_ok.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the current policy does not fit the model (such overrides are "
+        "ignored): ",
+        policy_ok.message()));
+  }
+  return absl::OkStatus();
+}
+
+bool ScheduleLog::has_units() const {
+  absl::MutexLock lock(&mu_);
+  return planner_ != nullptr;
+}
+
+const PolicyInfo& ScheduleLog::PolicyForStepLocked(int64_t step) const {
+  // Effective steps never decrease along the history; the latest record that
+  // started at or before `step` governs it.
+  for (auto it = policies_.rbegin(); it != policies_.rend(); ++it) {
+    if (it->effective_step <= step) return *it;
+  }
+  return policies_.front();
+}
+
+int64_t ScheduleLog::FloorLocked() const {
+  const int64_t min_completed =
+      *std::min_element(completed_.begin(), completed_.end());
+  return std::max(min_completed, restored_floor_);
+}
+
+absl::Status ScheduleLog::SealThroughLocked(int64_t step, int64_t generation) {
+  for (int64_t s = static_cast<int64_t>(sealed_.size()); s <= step; ++s) {
+    const PolicyInfo& policy = PolicyForStepLocked(s);
+    PlanInput input;
+    input.step = s;
+    input.policy_version = policy.version;
+    input.generation = generation;
+    input.checkpoint_requested = checkpoint_requests_.count(s) > 0;
+    auto sealed = std::make_shared<SealedSchedule>();
+    sealed->step = s;
+    sealed->schedule = planner_->Plan(policy.policy, input);
+    sealed->bytes = sealed->schedule.SerializeAsString();
+    if (store_ != nullptr) {
+      // Persist before anyone can see the step: a restart must serve the same
+      // bytes.
+      if (absl::Status st = store_->SaveSealedStep(s, sealed->bytes); !st.ok())
+        return st;
+    }
+    checkpoint_requests_.erase(s);
+    sealed_.push_back(std::move(sealed));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ScheduleRead> ScheduleLog::GetSchedule(int64_t step,
+                                                      int64_t generation,
+                                                      absl::Time deadline) {
+  if (step < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("step ", step, " is negative"));
+  }
+  absl::MutexLock lock(&mu_);
+  while (true) {
+    if (shutdown_)
+      return absl::UnavailableError("coordinator is shutting down");
+    if (step < static_cast<int64_t>(sealed_.size())) {
+      return ScheduleRead{sealed_[step], false};
+    }
+    if (drain_step_ >= 0 && step > drain_step_)
+      return ScheduleRead{nullptr, true};
+    if (planner_ == nullptr) {
+      return absl::FailedPreconditionError(
+          "no worker has joined yet: the model's unit list is unknown");
+    }
+    const int64_t floor = FloorLocked();
+    if (step > floor + 1 + options_.refuse_ahead) {
+      return absl::OutOfRangeError(absl::StrCat(
+          "step ", step, " is too far ahead: the slowest rank completed step ",
+          floor, " and reads may run at most ", options_.refuse_ahead,
+          " steps past step ", floor + 1));
+    }
+    if (step <= floor + 1 + options_.read_ahead) {
+      if (absl::Status s = SealThroughLocked(step, generation); !s.ok())
+        return s;
+      return ScheduleRead{sealed_[step], false};
+    }
+    // Inside the refusal limit but past the window: wait for the slowest rank
+    // (or for a drain, a shutdown, or another reader to seal it).
+    auto movable = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return shutdown_ || step < static_cast<int64_t>(sealed_.size()) ||
+             (drain_step_ >= 0 && step > drain_step_) ||
+             step <= FloorLocked() + 1 + options_.read_ahead;
+    };
+    if (!mu_.AwaitWithDeadline(absl::Condition(&movable), deadline)) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "step ", step,
+          " is past the read-ahead window (slowest rank completed step ",
+          FloorLocked(), ", read-ahead ", options_.read_ahead,
+          ") and did not open in time"));
+    }
+  }
+}
+
+absl::StatusOr<std::shared_ptr<const SealedSchedule>> ScheduleLog::GetSealed(
+    int64_t step) const {
+  absl::MutexLock lock(&mu_);
+  if (step < 0 || step >= static_cast<int64_t>(sealed_.size())) {
+    return absl::NotFoundError(
+        absl::StrCat("step ", step, " is not sealed (sealed: ",
+                     sealed_.empty() ? std::string("none")
+                                     : absl::StrCat("0..", sealed_.size() - 1),
+                     ")"));
+  }
+  return sealed_[step];
+}
+
+absl::StatusOr<PolicyInfo> ScheduleLog::SetPolicy(
+    const hsdp::v1::Policy& policy) {
+  absl::MutexLock lock(&mu_);
+  const UnitList no_units;
+  if (absl::Status s = ValidatePolicy(
+          policy, planner_ != nullptr ? planner_->units() : no_units);
+      !s.ok()) {
+    return s;
+  }
+  PolicyInfo info{policy, policies_.back().version + 1,
+                  static_cast<int64_t>(sealed_.size())};
+  policies_.push_back(info);
+  if (absl::Status s = PersistLocked(); !s.ok()) {
+    policies_.pop_back();
+    return s;
+  }
+  return info;
+}
+
+PolicyInfo ScheduleLog::CurrentPolicy() const {
+  absl::MutexLock lock(&mu_);
+  return policies_.back();
+}
+
+std::vector<PolicyInfo> ScheduleLog::PolicyHistory() const {
+  absl::MutexLock lock(&mu_);
+  return policies_;
+}
+
+absl::StatusOr<int64_t> ScheduleLog::RequestCheckpoint() {
+  absl::MutexLock lock(&mu_);
+  const int64_t step = static_cast<int64_t>(sealed_.size());
+  if (drain_step_ >= 0 && step > drain_step_) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the job is draining: its last step ", drain_step_,
+                     " is already sealed"));
+  }
+  if (!checkpoint_requests_.insert(step).second) return step;
+  if (absl::Status s = PersistLocked(); !s.ok()) {
+    checkpoint_requests_.erase(step);
+    return s;
+  }
+  return step;
+}
+
+absl::StatusOr<int64_t> ScheduleLog::Drain() {
+  absl::MutexLock lock(&mu_);
+  if (drain_step_ >= 0) return drain_step_;
+  drain_step_ = static_cast<int64_t>(sealed_.size());
+  if (absl::Status s = PersistLocked(); !s.ok()) {
+    drain_step_ = -1;
+    return s;
+  }
+  return drain_step_;
+}
+
+absl::Status ScheduleLog::RecordReport(const hsdp::v1::StepReport& report) {
+  if (report.rank() < 0 || report.rank() >= options_.world_size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("report rank ", report.rank(),
+                     " is outside the world [0, ", options_.world_size, ")"));
+  }
+  if (report.step() < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("report step ", report.step(), " is negative"));
+  }
+  absl::MutexLock lock(&mu_);
+  int64_t& completed = completed_[report.rank()];
+  completed = std::max(completed, report.step());
+  if (planner_ != nullptr && report.peak_memory_bytes() > 0) {
+    planner_->ObservePeakMemory(report.step(), report.peak_memory_bytes());
+  }
+  if (report.checkpoint_saved() && report.step() > last_checkpoint_step_) {
+    auto& savers = checkpoint_saves_[report.step()];
+    savers.insert(report.rank());
+    if (static_cast<int>(savers.size()) == options_.world_size) {
+      const int64_t previous = last_checkpoint_step_;
+      last_checkpoint_step_ = report.step();
+      checkpoint_saves_.erase(checkpoint_saves_.begin(),
+                              checkpoint_saves_.upper_bound(report.step()));
+      if (absl::Status s = PersistLocked(); !s.ok()) {
+        last_checkpoint_step_ = previous;
+        return s;
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+void ScheduleLog::Shutdown() {
+  absl::MutexLock lock(&mu_);
+  shutdown_ = true;
+}
+
+int64_t ScheduleLog::sealed_step() const {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int64_t>(sealed_.size()) - 1;
+}
+
+int64_t ScheduleLog::drain_step() const {
+  absl::MutexLock lock(&mu_);
+  return drain_step_;
+}
+
+int64_t ScheduleLog::last_checkpoint_step() const {
+  absl::MutexLock lock(&mu_);
+  return last_checkpoint_step_;
+}
+
+int64_t ScheduleLog::min_completed_step() const {
+  absl::MutexLock lock(&mu_);
+  return *std::min_element(completed_.begin(), completed_.end());
+}
+
+double ScheduleLog::memory_correction() const {
+  absl::MutexLock lock(&mu_);
+  return planner_ != nullptr ? planner_->memory_correction() : 1.0;
+}
+
+}  // namespace hsdp::coordinator

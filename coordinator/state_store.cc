@@ -1,0 +1,222 @@
+#include "coordinator/state_store.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "google/protobuf/io/coded_stream.h"
+#include "google/protobuf/io/zero_copy_stream_impl_lite.h"
+#include "hsdp/v1/schedule.pb.h"
+
+namespace hsdp::coordinator {
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr char kStateFile[] = "state.binpb";
+constexpr char kStepsDir[] = "steps";
+constexpr char kStepSuffix[] = ".binpb";
+constexpr char kTempSuffix[] = ".tmp";
+
+absl::Status ErrnoStatus(absl::string_view what, const std::string& path) {
+  const int err = errno;
+  return absl::Status(absl::ErrnoToStatusCode(err),
+                      absl::StrCat(what, " ", path, ": ", std::strerror(err)));
+}
+
+absl::Status FsyncPath(const std::string& path, int flags) {
+  const int fd = ::open(path.c_str(), flags | O_CLOEXEC);
+  if (fd < 0) return ErrnoStatus("open", path);
+  const int rc = ::fsync(fd);
+  const absl::Status status =
+      rc == 0 ? absl::OkStatus() : ErrnoStatus("fsync", path);
+  ::close(fd);
+  return status;
+}
+
+absl::StatusOr<std::string> ReadWholeFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return ErrnoStatus("read", path);
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  return buffer.str();
+}
+
+// Serialization with a fixed field order, so equal messages give equal bytes.
+std::string SerializeDeterministic(const google::protobuf::Message& message) {
+  std::string out;
+  google::protobuf::io::StringOutputStream stream(&out);
+  google::protobuf::io::CodedOutputStream coded(&stream);
+  coded.SetSerializationDeterministic(true);
+  message.SerializeToCodedStream(&coded);
+  coded.Trim();
+  return out;
+}
+
+std::string StepFileName(int64_t step) {
+  return absl::StrFormat("%012d%s", step, kStepSuffix);
+}
+
+// Removes leftovers of writes interrupted by a crash.
+absl::Status RemoveTempFiles(const fs::path& dir) {
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    if (absl::EndsWith(entry.path().filename().string(), kTempSuffix)) {
+      fs::remove(entry.path(), ec);
+    }
+  }
+  if (ec)
+    return absl::InternalError(
+        absl::StrCat("listing ", dir.string(), ": ", ec.message()));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status WriteFileAtomically(const std::string& path,
+                                 const std::string& contents, bool sync) {
+  const std::string temp = absl::StrCat(path, kTempSuffix);
+  const int fd =
+      ::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return ErrnoStatus("open", temp);
+  size_t written = 0;
+  while (written < contents.size()) {
+    const ssize_t n =
+        ::write(fd, contents.data() + written, contents.size() - written);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      const absl::Status status = ErrnoStatus("write", temp);
+      ::close(fd);
+      ::unlink(temp.c_str());
+      return status;
+    }
+    written += static_cast<size_t>(n);
+  }
+  if (sync && ::fsync(fd) != 0) {
+    const absl::Status status = ErrnoStatus("fsync", temp);
+    ::close(fd);
+    ::unlink(temp.c_str());
+    return status;
+  }
+  if (::close(fd) != 0) return ErrnoStatus("close", temp);
+  if (::rename(temp.c_str(), path.c_str()) != 0) {
+    const absl::Status status = ErrnoStatus("rename", temp);
+    ::unlink(temp.c_str());
+    return status;
+  }
+  if (sync) {
+    // The rename is only durable once the directory entry is.
+    return FsyncPath(fs::path(path).parent_path().string(),
+                     O_RDONLY | O_DIRECTORY);
+  }
+  return absl::OkStatus();
+}
+
+StateStore::StateStore(std::string dir, Options options)
+    : dir_(std::move(dir)), options_(options) {}
+
+absl::StatusOr<std::unique_ptr<StateStore>> StateStore::Open(
+    const std::string& dir, Options options) {
+  if (dir.empty())
+    return absl::InvalidArgumentError("state directory is empty");
+  std::error_code ec;
+  fs::create_directories(fs::path(dir) / kStepsDir, ec);
+  if (ec) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "cannot create state directory ", dir, ": ", ec.message()));
+  }
+  std::unique_ptr<StateStore> store(new StateStore(dir, options));
+  absl::Status status = store->Load();
+  if (!status.ok()) return status;
+  return store;
+}
+
+absl::Status StateStore::Load() {
+  absl::MutexLock lock(&mu_);
+  const fs::path root(dir_);
+  if (absl::Status s = RemoveTempFiles(root); !s.ok()) return s;
+  if (absl::Status s = RemoveTempFiles(root / kStepsDir); !s.ok()) return s;
+
+  const fs::path state_path = root / kStateFile;
+  std::error_code ec;
+  if (fs::exists(state_path, ec)) {
+    absl::StatusOr<std::string> bytes = ReadWholeFile(state_path.string());
+    if (!bytes.ok()) return bytes.status();
+    if (!state_.ParseFromString(*bytes)) {
+      return absl::DataLossError(
+          absl::StrCat("corrupt state file ", state_path.string()));
+    }
+  }
+  for (const auto& entry : fs::directory_iterator(root / kStepsDir, ec)) {
+    const std::string name = entry.path().filename().string();
+    int64_t step = -1;
+    if (!absl::EndsWith(name, kStepSuffix) ||
+        !absl::SimpleAtoi(name.substr(0, name.size() - strlen(kStepSuffix)),
+                          &step) ||
+        step < 0) {
+      continue;  // not ours
+    }
+    absl::StatusOr<std::string> bytes = ReadWholeFile(entry.path().string());
+    if (!bytes.ok()) return bytes.status();
+    hsdp::v1::StepSchedule schedule;
+    if (!schedule.ParseFromString(*bytes) || schedule.step() != step) {
+      return absl::DataLossError(
+          absl::StrCat("corrupt sealed step file ", entry.path().string()));
+    }
+    sealed_.emplace(step, std::move(*bytes));
+  }
+  if (ec) {
+    return absl::InternalError(
+        absl::StrCat("listing ", dir_, ": ", ec.message()));
+  }
+  return absl::OkStatus();
+}
+
+PersistedState StateStore::state() const {
+  absl::MutexLock lock(&mu_);
+  return state_;
+}
+
+absl::Status StateStore::Update(
+    const std::function<void(PersistedState*)>& mutate) {
+  absl::MutexLock lock(&mu_);
+  PersistedState next = state_;
+  mutate(&next);
+  absl::Status status =
+      WriteFileAtomically((fs::path(dir_) / kStateFile).string(),
+                          SerializeDeterministic(next), options_.sync);
+  if (status.ok()) state_ = std::move(next);
+  return status;
+}
+
+absl::Status StateStore::SaveSealedStep(int64_t step,
+                                        const std::string& bytes) {
+  absl::MutexLock lock(&mu_);
+  auto it = sealed_.find(step);
+  if (it != sealed_.end()) {
+    if (it->second == bytes) return absl::OkStatus();
+    return absl::FailedPreconditionError(absl::StrCat(
+        "step ", step, " is already sealed with different contents"));
+  }
+  absl::Status status = WriteFileAtomically(
+      (fs::path(dir_) / kStepsDir / StepFileName(step)).string(), bytes,
+      options_.sync);
+  if (status.ok()) sealed_.emplace(step, bytes);
+  return status;
+}
+
+std::map<int64_t, std::string> StateStore::SealedSteps() const {
+  absl::MutexLock lock(&mu_);
+  return sealed_;
+}
+
+}  // namespace hsdp::coordinator
