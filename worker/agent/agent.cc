@@ -1,0 +1,351 @@
+#include "worker/agent/agent.h"
+
+#include <grpcpp/client_context.h>
+#include <grpcpp/create_channel.h>
+#include <grpcpp/security/credentials.h>
+#include <grpcpp/support/channel_arguments.h>
+
+#include <algorithm>
+#include <chrono>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace hsdp::agent {
+namespace {
+
+// Extra time on a store call's RPC deadline beyond the store timeout itself, so
+// the coordinator's own DEADLINE_EXCEEDED (which names the key) arrives before
+// the transport's.
+constexpr absl::Duration kStoreDeadlineSlack = absl::Seconds(5);
+// Default heartbeat period when the coordinator does not say.
+constexpr int kDefaultHeartbeatMs = 1000;
+// gRPC keepalive on the channel: notice a dead coordinator within seconds even
+// on idle channels.
+constexpr int kKeepaliveTimeMs = 10000;
+constexpr int kKeepaliveTimeoutMs = 5000;
+
+// Codes worth another attempt: the coordinator is down, restarting, or shedding
+// load.
+bool IsTransient(absl::StatusCode code) {
+  return code == absl::StatusCode::kUnavailable ||
+         code == absl::StatusCode::kAborted ||
+         code == absl::StatusCode::kResourceExhausted;
+}
+
+// Codes a restarted coordinator returns for a worker it no longer knows.
+bool IsMembershipLoss(absl::StatusCode code) {
+  return code == absl::StatusCode::kNotFound ||
+         code == absl::StatusCode::kFailedPrecondition;
+}
+
+void SetDeadline(grpc::ClientContext& ctx, absl::Duration timeout) {
+  ctx.set_deadline(std::chrono::system_clock::now() +
+                   absl::ToChronoMilliseconds(timeout));
+}
+
+}  // namespace
+
+absl::Status FromGrpc(const grpc::Status& status, const std::string& what) {
+  if (status.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
+                      absl::StrCat(what, ": ", status.error_message()));
+}
+
+Agent::Agent(AgentOptions options) : options_(std::move(options)) {
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, kKeepaliveTimeMs);
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, kKeepaliveTimeoutMs);
+  args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  // Reconnect quickly after a coordinator restart instead of gRPC's default 1
+  // s..120 s backoff.
+  args.SetInt(
+      GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS,
+      static_cast<int>(absl::ToInt64Milliseconds(options_.initial_backoff)));
+  args.SetInt(
+      GRPC_ARG_MAX_RECONNECT_BACKOFF_MS,
+      static_cast<int>(absl::ToInt64Milliseconds(options_.max_backoff)));
+  auto channel = grpc::CreateCustomChannel(
+      options_.coordinator, grpc::InsecureChannelCredentials(), args);
+  stub_ = hsdp::v1::CoordinatorService::NewStub(channel);
+}
+
+Agent::~Agent() {
+  {
+    absl::MutexLock lock(&mu_);
+    stop_ = true;
+  }
+  if (heartbeat_.joinable()) heartbeat_.join();
+  if (prefetch_.valid()) prefetch_.wait();
+}
+
+template <typename Fn>
+absl::Status Agent::CallWithRetry(const std::string& what,
+                                  absl::Duration attempt_timeout, Fn attempt) {
+  absl::Duration backoff = options_.initial_backoff;
+  std::optional<absl::Time> first_failure;
+  while (true) {
+    grpc::ClientContext ctx;
+    SetDeadline(ctx, attempt_timeout);
+    absl::Status status = FromGrpc(attempt(ctx), what);
+    if (status.ok() || !IsTransient(status.code())) return status;
+    const absl::Time now = absl::Now();
+    if (!first_failure) first_failure = now;
+    if (now - *first_failure >= options_.retry_budget) {
+      return absl::UnavailableError(absl::StrCat(
+          "coordinator ", options_.coordinator, " unreachable for ",
+          absl::FormatDuration(options_.retry_budget), " (", status.message(),
+          ")"));
+    }
+    {
+      // Sleep, but wake early when the agent is being destroyed.
+      absl::MutexLock lock(&mu_);
+      if (mu_.AwaitWithTimeout(absl::Condition(&stop_), backoff)) {
+        return absl::CancelledError(
+            absl::StrCat(what, ": agent shutting down"));
+      }
+    }
+    backoff = std::min(backoff * 2, options_.max_backoff);
+  }
+}
+
+absl::StatusOr<hsdp::v1::JoinResponse> Agent::Join() {
+  hsdp::v1::JoinRequest req;
+  req.set_job_id(options_.job_id);
+  if (options_.rank_hint) req.set_rank_hint(*options_.rank_hint);
+  req.set_hostname(options_.hostname);
+  req.set_device(options_.device);
+  req.set_model(options_.model);
+  for (const auto& u : options_.units) *req.add_units() = u;
+  hsdp::v1::JoinResponse resp;
+  absl::Status s = CallWithRetry(
+      "Join", options_.rpc_timeout,
+      [&](grpc::ClientContext& ctx) { return stub_->Join(&ctx, req, &resp); });
+  if (!s.ok()) return s;
+  absl::MutexLock lock(&mu_);
+  join_ = resp;
+  joined_ = true;
+  ++join_epoch_;
+  return resp;
+}
+
+int64_t Agent::join_epoch() const {
+  absl::MutexLock lock(&mu_);
+  return join_epoch_;
+}
+
+absl::Status Agent::Rejoin(int64_t seen_epoch) {
+  absl::MutexLock rejoin_lock(&rejoin_mu_);
+  hsdp::v1::JoinRequest req;
+  int64_t old_generation;
+  {
+    absl::MutexLock lock(&mu_);
+    if (join_epoch_ != seen_epoch) return membership_;
+    old_generation = join_.generation();
+    req.set_rank_hint(join_.rank());
+  }
+  req.set_job_id(options_.job_id);
+  req.set_hostname(options_.hostname);
+  req.set_device(options_.device);
+  req.set_model(options_.model);
+  for (const auto& u : options_.units) *req.add_units() = u;
+  hsdp::v1::JoinResponse resp;
+  absl::Status s = CallWithRetry(
+      "Join (after coordinator restart)", options_.rpc_timeout,
+      [&](grpc::ClientContext& ctx) { return stub_->Join(&ctx, req, &resp); });
+  if (!s.ok()) return s;
+  absl::MutexLock lock(&mu_);
+  if (resp.rank() != join_.rank() || resp.generation() != old_generation) {
+    membership_ = absl::AbortedError(absl::StrCat(
+        "re-joined the restarted coordinator as rank ", resp.rank(),
+        " generation ", resp.generation(), ", was rank ", join_.rank(),
+        " generation ", old_generation, "; restart the worker"));
+    return membership_;
+  }
+  ++join_epoch_;
+  return absl::OkStatus();
+}
+
+void Agent::StartHeartbeat() {
+  if (heartbeat_.joinable()) return;
+  heartbeat_ = std::thread([this] { HeartbeatLoop(); });
+}
+
+void Agent::HeartbeatLoop() {
+  absl::Duration interval;
+  {
+    absl::MutexLock lock(&mu_);
+    const int ms = join_.heartbeat_interval_ms() > 0
+                       ? join_.heartbeat_interval_ms()
+                       : kDefaultHeartbeatMs;
+    interval = absl::Milliseconds(ms);
+  }
+  while (true) {
+    hsdp::v1::HeartbeatRequest req;
+    {
+      absl::MutexLock lock(&mu_);
+      if (mu_.AwaitWithTimeout(absl::Condition(&stop_), interval)) return;
+      req.set_job_id(options_.job_id);
+      req.set_rank(join_.rank());
+      req.set_generation(join_.generation());
+    }
+    req.set_step(current_step_.load());
+    const int64_t epoch = join_epoch();
+    // One attempt per period: a missed heartbeat is simply retried next period,
+    // so the thread never blocks the destructor for a whole retry budget.
+    grpc::ClientContext ctx;
+    SetDeadline(ctx, std::min(options_.rpc_timeout, interval * 2));
+    hsdp::v1::HeartbeatResponse resp;
+    absl::Status s = FromGrpc(stub_->Heartbeat(&ctx, req, &resp), "Heartbeat");
+    if (s.ok()) {
+      absl::MutexLock lock(&mu_);
+      if (resp.generation() != join_.generation() && membership_.ok()) {
+        membership_ = absl::AbortedError(absl::StrCat(
+            "job generation changed from ", join_.generation(), " to ",
+            resp.generation(), " (a worker was lost); stopping"));
+      }
+    } else if (IsMembershipLoss(s.code())) {
+      // Coordinator restarted without this worker: re-join in the background so
+      // the training thread's next call finds the membership back.
+      Rejoin(epoch).IgnoreError();
+    }
+  }
+}
+
+absl::StatusOr<hsdp::v1::GetScheduleResponse> Agent::FetchSchedule(
+    int64_t step) {
+  hsdp::v1::GetScheduleRequest req;
+  req.set_job_id(options_.job_id);
+  req.set_rank(rank());
+  req.set_step(step);
+  hsdp::v1::GetScheduleResponse resp;
+  const std::string what = absl::StrCat("GetSchedule(step ", step, ")");
+  constexpr int kMaxRejoins = 3;
+  for (int rejoins = 0;; ++rejoins) {
+    absl::Status s;
+    const int64_t epoch = join_epoch();
+    // A long-poll attempt that runs out its deadline only means the step was
+    // not yet available.
+    do {
+      s = CallWithRetry(what, options_.schedule_poll_timeout,
+                        [&](grpc::ClientContext& ctx) {
+                          return stub_->GetSchedule(&ctx, req, &resp);
+                        });
+    } while (s.code() == absl::StatusCode::kDeadlineExceeded);
+    if (s.ok()) return resp;
+    if (!IsMembershipLoss(s.code()) || rejoins >= kMaxRejoins) return s;
+    if (absl::Status r = Rejoin(epoch); !r.ok()) return r;
+  }
+}
+
+absl::StatusOr<hsdp::v1::GetScheduleResponse> Agent::GetSchedule(
+    int64_t step, int64_t last_step) {
+  absl::StatusOr<hsdp::v1::GetScheduleResponse> result;
+  if (prefetch_.valid() && prefetch_step_ == step) {
+    result = prefetch_.get();
+  } else {
+    if (prefetch_.valid())
+      prefetch_.wait();  // a stale prefetch (e.g. after resume): discard
+    prefetch_ = {};
+    result = FetchSchedule(step);
+  }
+  prefetch_step_ = -1;
+  if (result.ok() && !result->drained() && step + 1 <= last_step) {
+    prefetch_step_ = step + 1;
+    prefetch_ = std::async(std::launch::async, [this, next = step + 1] {
+      return FetchSchedule(next);
+    });
+  }
+  return result;
+}
+
+absl::Status Agent::ReportStep(const hsdp::v1::StepReport& report,
+                               bool finished) {
+  hsdp::v1::ReportStepRequest req;
+  req.set_job_id(options_.job_id);
+  *req.mutable_report() = report;
+  req.set_finished(finished);
+  hsdp::v1::ReportStepResponse resp;
+  const std::string what = absl::StrCat("ReportStep(step ", report.step(), ")");
+  const int64_t epoch = join_epoch();
+  absl::Status s =
+      CallWithRetry(what, options_.rpc_timeout, [&](grpc::ClientContext& ctx) {
+        return stub_->ReportStep(&ctx, req, &resp);
+      });
+  if (IsMembershipLoss(s.code())) {
+    if (absl::Status r = Rejoin(epoch); !r.ok()) return r;
+    s = CallWithRetry(what, options_.rpc_timeout,
+                      [&](grpc::ClientContext& ctx) {
+                        return stub_->ReportStep(&ctx, req, &resp);
+                      });
+  }
+  return s;
+}
+
+absl::Status Agent::StoreSet(const std::string& key, const std::string& value) {
+  hsdp::v1::StoreSetRequest req;
+  req.set_job_id(options_.job_id);
+  req.set_generation(generation());
+  req.set_key(key);
+  req.set_value(value);
+  hsdp::v1::StoreSetResponse resp;
+  return CallWithRetry(absl::StrCat("StoreSet(", key, ")"),
+                       options_.rpc_timeout, [&](grpc::ClientContext& ctx) {
+                         return stub_->StoreSet(&ctx, req, &resp);
+                       });
+}
+
+absl::StatusOr<std::string> Agent::StoreGet(const std::string& key,
+                                            absl::Duration timeout) {
+  hsdp::v1::StoreGetRequest req;
+  req.set_job_id(options_.job_id);
+  req.set_generation(generation());
+  req.set_key(key);
+  req.set_timeout_ms(static_cast<int32_t>(absl::ToInt64Milliseconds(timeout)));
+  hsdp::v1::StoreGetResponse resp;
+  absl::Status s = CallWithRetry(absl::StrCat("StoreGet(", key, ")"),
+                                 timeout + kStoreDeadlineSlack,
+                                 [&](grpc::ClientContext& ctx) {
+                                   return stub_->StoreGet(&ctx, req, &resp);
+                                 });
+  if (!s.ok()) return s;
+  return resp.value();
+}
+
+absl::Status Agent::StoreWait(const std::vector<std::string>& keys,
+                              absl::Duration timeout) {
+  hsdp::v1::StoreWaitRequest req;
+  req.set_job_id(options_.job_id);
+  req.set_generation(generation());
+  for (const auto& k : keys) req.add_keys(k);
+  req.set_timeout_ms(static_cast<int32_t>(absl::ToInt64Milliseconds(timeout)));
+  hsdp::v1::StoreWaitResponse resp;
+  return CallWithRetry(
+      absl::StrCat("StoreWait(", absl::StrJoin(keys, ","), ")"),
+      timeout + kStoreDeadlineSlack, [&](grpc::ClientContext& ctx) {
+        return stub_->StoreWait(&ctx, req, &resp);
+      });
+}
+
+int Agent::rank() const {
+  absl::MutexLock lock(&mu_);
+  return join_.rank();
+}
+
+int64_t Agent::generation() const {
+  absl::MutexLock lock(&mu_);
+  return join_.generation();
+}
+
+hsdp::v1::JoinResponse Agent::join_response() const {
+  absl::MutexLock lock(&mu_);
+  return join_;
+}
+
+absl::Status Agent::membership_status() const {
+  absl::MutexLock lock(&mu_);
+  return membership_;
+}
+
+}  // namespace hsdp::agent
