@@ -1,8 +1,9 @@
 # GPU build switches, included from the top-level CMakeLists.txt.
 #
-# HSDP_WITH_NCCL (AUTO|ON|OFF): build `hsdp_nccl`, the NCCL Communicator backend. It needs only the
-#   CUDA runtime and NCCL — not a CUDA LibTorch — so AUTO turns it on wherever CUDAToolkit and
-#   libnccl are found (our CPU build machines have both), and its tests skip without a device.
+# HSDP_WITH_NCCL (AUTO|ON|OFF): build `hsdp_nccl`, the NCCL Communicator backend (with the worker,
+#   HSDP_BUILD_WORKER=ON). It needs only the CUDA runtime and NCCL — not a CUDA LibTorch — so AUTO
+#   turns it on wherever CUDAToolkit and libnccl are found (our CPU build machines have both), and
+#   its tests skip without a device.
 # HSDP_WITH_CUDA (AUTO|ON|OFF): compile the engine's CUDA paths (streams, pinned offload). AUTO turns
 #   it on when the LibTorch about to be used is a CUDA build. Code guarded by it sees the compile
 #   definition HSDP_WITH_CUDA=1 (every target; absent otherwise).
@@ -63,19 +64,9 @@ if(NOT HSDP_WITH_NCCL STREQUAL "OFF")
   endif()
 endif()
 
-if(HSDP_NCCL_ENABLED)
-  # Torch-free: communicator.h/store.h are header-only interfaces, so the backend needs nothing
-  # from hsdp_comm and builds even with HSDP_BUILD_WORKER=OFF.
-  add_library(hsdp_nccl STATIC
-    "${PROJECT_SOURCE_DIR}/worker/comm/nccl_communicator.cc")
-  target_include_directories(hsdp_nccl PUBLIC "${PROJECT_SOURCE_DIR}")
-  target_include_directories(hsdp_nccl SYSTEM PUBLIC "${HSDP_NCCL_INCLUDE_DIR}")
-  target_link_libraries(hsdp_nccl
-    PUBLIC CUDA::cudart "${HSDP_NCCL_LIBRARY}" absl::status absl::statusor absl::time
-           absl::synchronization absl::strings
-    PRIVATE Threads::Threads)
-  target_compile_definitions(hsdp_nccl PUBLIC HSDP_WITH_NCCL=1)
-endif()
+# The hsdp_nccl target itself is defined next to its sources, in worker/comm/nccl.cmake (it links
+# hsdp_comm for the shared Communicator/DeviceMesh pieces); it reads HSDP_NCCL_ENABLED,
+# HSDP_NCCL_LIBRARY and HSDP_NCCL_INCLUDE_DIR from here.
 
 # --- CUDA LibTorch detection ----------------------------------------------------------------------
 # Detected from the files of the LibTorch that find_package(Torch) will pick, without calling
@@ -89,6 +80,7 @@ if(HSDP_BUILD_WORKER AND NOT HSDP_WITH_CUDA STREQUAL "OFF")
   else()
     set(_hsdp_torch_dirs "")
   endif()
+  unset(HSDP_TORCH_CONFIG CACHE)  # re-resolve: CMAKE_PREFIX_PATH may point elsewhere now
   find_file(HSDP_TORCH_CONFIG TorchConfig.cmake
             HINTS ${_hsdp_torch_dirs}
             PATHS ${CMAKE_PREFIX_PATH}
@@ -105,11 +97,12 @@ if(HSDP_BUILD_WORKER AND NOT HSDP_WITH_CUDA STREQUAL "OFF")
       endif()
     endif()
   endif()
-  if(_hsdp_torch_has_cuda AND CUDAToolkit_FOUND)
+  if(_hsdp_torch_has_cuda AND CUDAToolkit_FOUND AND HSDP_NCCL_ENABLED)
     set(HSDP_CUDA_ENABLED ON)
   elseif(HSDP_WITH_CUDA STREQUAL "ON")
     message(FATAL_ERROR "hsdp: HSDP_WITH_CUDA=ON but the LibTorch found (${HSDP_TORCH_CONFIG}) has no "
-                        "torch_cuda target or the CUDA toolkit is missing (found: ${CUDAToolkit_FOUND}). "
+                        "torch_cuda target, or the CUDA toolkit (found: ${CUDAToolkit_FOUND}) or NCCL "
+                        "(enabled: ${HSDP_NCCL_ENABLED}) is missing. "
                         "Point CMAKE_PREFIX_PATH at a CUDA build, e.g. "
                         "$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')")
   endif()

@@ -66,8 +66,7 @@ bool IsFatal(ncclResult_t result) {
 
 }  // namespace
 
-// ---- Device-free helpers
-// ---------------------------------------------------------------------
+// ---- Device-free helpers ----
 
 absl::StatusOr<int> CudaDeviceCount() {
   int count = 0;
@@ -109,26 +108,6 @@ absl::StatusOr<ncclDataType_t> ToNcclDataType(DataType dtype) {
 
 ncclRedOp_t ToNcclRedOp(ReduceOp op) {
   return op == ReduceOp::kAvg ? ncclAvg : ncclSum;
-}
-
-const char* NcclDataTypeName(DataType dtype) {
-  switch (dtype) {
-    case DataType::kFloat32:
-      return "f32";
-    case DataType::kFloat64:
-      return "f64";
-    case DataType::kBFloat16:
-      return "bf16";
-    case DataType::kFloat16:
-      return "f16";
-    case DataType::kInt32:
-      return "i32";
-    case DataType::kInt64:
-      return "i64";
-    case DataType::kUInt8:
-      return "u8";
-  }
-  return "unknown";
 }
 
 absl::Status NcclResultToStatus(ncclResult_t result, absl::string_view what,
@@ -190,8 +169,7 @@ absl::StatusOr<ncclUniqueId> DecodeUniqueId(absl::string_view bytes) {
   return id;
 }
 
-// ---- Shared state
-// ------------------------------------------------------------------------------
+// ---- Shared state ----
 
 class NcclCommState;
 
@@ -199,8 +177,8 @@ class NcclCommState;
 // the stream (at issue, or at the end of the enclosing NcclGroup). Thread-safe.
 struct NcclWorkState {
   std::shared_ptr<NcclCommState> comm;
-  std::string
-      what;  // "all_gather #12 on nccl:shard (rank 1 of 4, 1048576 x bf16)"
+  std::string what;  // "all_gather #12 on nccl:shard (rank 1 of 4, cuda:1)
+                     // (1048576 x bfloat16)"
   cudaStream_t stream = nullptr;
   cudaEvent_t start = nullptr;  // null unless timing is enabled
   cudaEvent_t end = nullptr;
@@ -369,8 +347,7 @@ class NcclWork : public Work {
   std::shared_ptr<NcclWorkState> state_;
 };
 
-// ---- Groups
-// --------------------------------------------------------------------------------------
+// ---- Groups ----
 
 namespace {
 // ncclGroupStart/End are per thread, so is our bookkeeping of the works whose
@@ -430,8 +407,7 @@ absl::Status NcclGroup::End() {
   return first_error;
 }
 
-// ---- NcclCommState
-// -------------------------------------------------------------------------------
+// ---- NcclCommState ----
 
 absl::Status NcclCommState::InitResources() {
   DeviceGuard guard(options_.device);
@@ -767,8 +743,7 @@ NcclCommState::~NcclCommState() {
   if (barrier_scratch_ != nullptr) cudaFree(barrier_scratch_);
 }
 
-// ---- NcclCommunicator
-// ----------------------------------------------------------------------------
+// ---- NcclCommunicator ----
 
 absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(
     Store& store, const std::string& store_key, int rank, int size,
@@ -779,7 +754,11 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(
                         options.name, rank, size));
   }
   absl::StatusOr<int> devices = CudaDeviceCount();
-  if (!devices.ok()) return devices.status();
+  if (!devices.ok()) {
+    return absl::Status(devices.status().code(),
+                        absl::StrCat("NCCL communicator ", options.name, ": ",
+                                     devices.status().message()));
+  }
   if (options.device < 0 || options.device >= *devices) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "NCCL communicator %s: cuda:%d does not exist (%d devices)",
@@ -848,7 +827,7 @@ std::string Describe(NcclCommState& state, absl::string_view op,
                      const Buffer& buffer) {
   return absl::StrFormat("%s #%d on %s (%d x %s)", op, state.NextSequence(),
                          state.label(), buffer.count,
-                         NcclDataTypeName(buffer.dtype));
+                         DataTypeName(buffer.dtype));
 }
 }  // namespace
 
@@ -860,8 +839,8 @@ std::unique_ptr<Work> NcclCommunicator::AllGather(const Buffer& input,
   if (input.dtype != output.dtype || output.count != input.count * size()) {
     return std::make_unique<FailedWork>(absl::InvalidArgumentError(
         absl::StrFormat("%s: output must be %d x %s, got %d x %s", what,
-                        input.count * size(), NcclDataTypeName(input.dtype),
-                        output.count, NcclDataTypeName(output.dtype))));
+                        input.count * size(), DataTypeName(input.dtype),
+                        output.count, DataTypeName(output.dtype))));
   }
   return state_->Issue(NcclCommState::StreamKind::kParam, std::move(what),
                        [&](ncclComm_t comm, cudaStream_t stream) {
@@ -879,8 +858,8 @@ std::unique_ptr<Work> NcclCommunicator::ReduceScatter(const Buffer& input,
   if (input.dtype != output.dtype || input.count != output.count * size()) {
     return std::make_unique<FailedWork>(absl::InvalidArgumentError(
         absl::StrFormat("%s: input must be %d x %s for output %d x %s", what,
-                        output.count * size(), NcclDataTypeName(output.dtype),
-                        output.count, NcclDataTypeName(output.dtype))));
+                        output.count * size(), DataTypeName(output.dtype),
+                        output.count, DataTypeName(output.dtype))));
   }
   return state_->Issue(NcclCommState::StreamKind::kGrad, std::move(what),
                        [&](ncclComm_t comm, cudaStream_t stream) {
@@ -935,15 +914,16 @@ std::unique_ptr<Work> NcclCommunicator::Barrier() {
                        });
 }
 
-NcclCommunicatorFactory MakeNcclCommunicatorFactory(NcclOptions base_options) {
-  return [base_options](Store& store, const std::string& store_key, int rank,
-                        int size, const std::string& group_name)
+CommunicatorFactory NcclCommunicatorFactory(Store& store,
+                                            NcclOptions base_options) {
+  return [&store, base_options](const GroupSpec& group)
              -> absl::StatusOr<std::unique_ptr<Communicator>> {
     NcclOptions options = base_options;
-    options.name = absl::StrCat(base_options.name, ":", group_name);
+    options.name = absl::StrCat(base_options.name, ":", group.kind);
     absl::StatusOr<std::unique_ptr<NcclCommunicator>> comm =
-        NcclCommunicator::Create(store, store_key, rank, size,
-                                 std::move(options));
+        NcclCommunicator::Create(store,
+                                 absl::StrCat(group.prefix, "/nccl_unique_id"),
+                                 group.rank, group.size, std::move(options));
     if (!comm.ok()) return comm.status();
     return std::unique_ptr<Communicator>(std::move(*comm));
   };

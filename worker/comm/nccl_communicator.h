@@ -8,10 +8,12 @@
 // a *parameter* stream (AllGather, Broadcast) and a *gradient* stream
 // (ReduceScatter, AllReduce, Barrier). Having two lets the next unit's
 // all-gather (prefetch) proceed while the previous unit's reduce-scatter still
-// runs, as FSDP2 does. NCCL still executes the kernels of one communicator in
-// issue order, which every rank shares, so two streams cannot reorder
-// collectives across ranks. The replicate dimension of an HSDP mesh is a
-// different communicator with its own streams.
+// runs, as FSDP2 does: their *inputs* become ready at different times, and
+// neither should queue behind the other's wait on the compute stream. NCCL
+// itself chains the kernels of one communicator in issue order (through the
+// communicator's internal stream), which every rank shares, so two user streams
+// cannot reorder collectives across ranks. The replicate dimension of an HSDP
+// mesh is a different communicator with its own streams.
 //
 // Synchronisation with compute (no recordStream). On issue, an event is
 // recorded on the caller's compute stream (see NcclOptions::compute_stream) and
@@ -52,12 +54,12 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "worker/comm/communicator.h"
+#include "worker/comm/device_mesh.h"
 #include "worker/comm/store.h"
 
 namespace hsdp::comm {
 
-// ---- Device-free helpers (no GPU needed; unit-tested on CPU machines)
-// ---------------------------
+// ---- Device-free helpers (no GPU needed; unit-tested on CPU machines) ----
 
 // Number of visible CUDA devices. UNAVAILABLE with the CUDA error text when
 // there is no driver or no device (cudaGetDeviceCount fails or returns 0),
@@ -68,8 +70,6 @@ absl::StatusOr<int> CudaDeviceCount();
 // ncclBfloat16).
 absl::StatusOr<ncclDataType_t> ToNcclDataType(DataType dtype);
 ncclRedOp_t ToNcclRedOp(ReduceOp op);  // kAvg → ncclAvg (NCCL >= 2.10)
-// Lower-case name of `dtype`, used in error messages ("bf16", "f32", ...).
-const char* NcclDataTypeName(DataType dtype);
 
 // OK for ncclSuccess; otherwise a Status whose code reflects the failure class
 // and whose message is
@@ -84,8 +84,7 @@ absl::Status CudaErrorToStatus(cudaError_t error, absl::string_view what);
 std::string EncodeUniqueId(const ncclUniqueId& id);
 absl::StatusOr<ncclUniqueId> DecodeUniqueId(absl::string_view bytes);
 
-// ---- Communicator
-// --------------------------------------------------------------------------------
+// ---- Communicator ----
 
 // Returns the caller's current compute stream (the engine passes
 // `[] { return at::cuda::getCurrentCUDAStream().stream(); }`).
@@ -180,14 +179,12 @@ class NcclGroup {
   absl::Status start_status_;
 };
 
-// Factory with the signature the DeviceMesh uses to build one communicator per
-// mesh dimension. `group_name` ("shard" or "replicate") is appended to
-// options.name.
-using NcclCommunicatorFactory =
-    std::function<absl::StatusOr<std::unique_ptr<Communicator>>(
-        Store& store, const std::string& store_key, int rank, int size,
-        const std::string& group_name)>;
-NcclCommunicatorFactory MakeNcclCommunicatorFactory(NcclOptions base_options);
+// The DeviceMesh hook: builds each mesh dimension's NcclCommunicator, named
+// "<base name>:<group kind>" (e.g. "nccl:shard"), its unique id exchanged under
+// "<group prefix>/nccl_unique_id" in `store`. `store` must outlive the factory
+// calls.
+CommunicatorFactory NcclCommunicatorFactory(Store& store,
+                                            NcclOptions base_options);
 
 }  // namespace hsdp::comm
 
