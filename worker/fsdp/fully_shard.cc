@@ -1,0 +1,333 @@
+#include "worker/fsdp/fully_shard.h"
+
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+
+#include <set>
+#include <unordered_map>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "hsdp/v1/schedule.pb.h"
+#include "worker/fsdp/hooks.h"
+#include "worker/fsdp/unit_group.h"
+
+namespace hsdp::fsdp {
+namespace {
+
+// Runs `fn`, converting a c10::Error (how the engine leaves autograd) to a
+// Status.
+template <typename Fn>
+absl::Status CatchTorch(EngineCore& core, Fn&& fn) {
+  try {
+    fn();
+  } catch (const c10::Error& e) {
+    if (!core.status.ok()) return core.status;
+    return absl::InternalError(e.what_without_backtrace());
+  }
+  return core.status;
+}
+
+std::vector<at::Tensor> CastFloating(std::vector<at::Tensor> tensors,
+                                     c10::ScalarType dtype) {
+  for (at::Tensor& t : tensors) {
+    if (t.defined() && t.is_floating_point() && t.scalar_type() != dtype)
+      t = t.to(dtype);
+  }
+  return tensors;
+}
+
+}  // namespace
+
+// ---- UnitHandle
+// -------------------------------------------------------------------------------
+
+std::vector<at::Tensor> UnitHandle::Forward(
+    const std::vector<at::Tensor>& inputs, const TensorListFn& fn) {
+  EngineCore& core = group_->core();
+  TORCH_CHECK(core.finalized,
+              "hsdp engine: call FullyShardRoot() before forward");
+  group_->PreForward();
+  std::vector<at::Tensor> in = inputs;
+  const MixedPrecisionPolicy& mp = core.options.mixed_precision;
+  if (mp.cast_forward_inputs && mp.param_dtype.has_value())
+    in = CastFloating(in, *mp.param_dtype);
+  in = AttachPostBackward(group_, std::move(in));
+  std::vector<at::Tensor> out = fn(in);
+  group_->PostForward();
+  out = AttachPreBackward(group_, std::move(out));
+  if (group_->index() == 0 && mp.output_dtype.has_value()) {
+    out = CastFloating(std::move(out), *mp.output_dtype);
+  }
+  return out;
+}
+
+at::Tensor UnitHandle::Forward(const at::Tensor& input, const TensorFn& fn) {
+  return Forward(std::vector<at::Tensor>{input},
+                 [&fn](const std::vector<at::Tensor>& in) {
+                   return std::vector<at::Tensor>{fn(in[0])};
+                 })[0];
+}
+
+int UnitHandle::index() const { return group_->index(); }
+const std::string& UnitHandle::name() const { return group_->name(); }
+
+// ---- Engine
+// -----------------------------------------------------------------------------------
+
+Engine::Engine(std::unique_ptr<EngineCore> core) : core_(std::move(core)) {}
+Engine::~Engine() = default;
+
+absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(
+    std::shared_ptr<torch::nn::Module> root, MeshComms mesh,
+    EngineOptions options) {
+  if (root == nullptr)
+    return absl::InvalidArgumentError("Engine::Create: null root module");
+  if (mesh.shard == nullptr)
+    return absl::InvalidArgumentError("Engine::Create: null shard comm");
+  auto core = std::make_unique<EngineCore>(std::move(root), mesh, options);
+  core->units.emplace_back(nullptr);  // slot 0: root, filled by FullyShardRoot
+  return std::unique_ptr<Engine>(new Engine(std::move(core)));
+}
+
+namespace {
+
+struct ClaimContext {
+  std::unordered_map<const c10::TensorImpl*, std::string>
+      names;                                 // every root parameter
+  std::set<const c10::TensorImpl*> claimed;  // in some unit already
+};
+
+ClaimContext MakeClaimContext(const EngineCore& core) {
+  ClaimContext ctx;
+  for (const auto& item : core.root->named_parameters(/*recurse=*/true)) {
+    ctx.names.emplace(item.value().unsafeGetTensorImpl(), item.key());
+  }
+  for (const auto& unit : core.units) {
+    if (unit == nullptr) continue;
+    for (const ShardedParam* p : unit->params()) {
+      ctx.claimed.insert(p->module_param().unsafeGetTensorImpl());
+    }
+  }
+  return ctx;
+}
+
+absl::StatusOr<std::unique_ptr<UnitGroup>> BuildUnit(
+    EngineCore& core, int index, const std::string& name,
+    const std::vector<at::Tensor>& candidates, const UnitOptions& options) {
+  ClaimContext ctx = MakeClaimContext(core);
+  std::set<const c10::TensorImpl*> ignored;
+  for (const at::Tensor& t : options.ignored_params)
+    ignored.insert(t.unsafeGetTensorImpl());
+  ShardedParamSpec spec;
+  spec.shard_rank = core.shard_rank();
+  spec.shard_size = core.shard_size();
+  spec.compute_device = core.options.device;
+  const bool offload = core.options.offload.offload_params;
+  spec.shard_device = offload ? c10::Device(c10::kCPU) : core.options.device;
+  spec.pin_memory = offload && core.options.device.is_cuda();
+  std::vector<std::unique_ptr<ShardedParam>> params;
+  std::set<const c10::TensorImpl*> seen;
+  for (const at::Tensor& t : candidates) {
+    const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+    if (ctx.claimed.count(impl) || ignored.count(impl) ||
+        !seen.insert(impl).second)
+      continue;
+    auto it = ctx.names.find(impl);
+    if (it == ctx.names.end()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "unit ", name, ": a parameter is not under the root module"));
+    }
+    spec.param_dtype = core.param_dtype(t.scalar_type());
+    absl::StatusOr<std::unique_ptr<ShardedParam>> p;
+    try {
+      p = ShardedParam::Create(it->second, t, spec);
+    } catch (const c10::Error& e) {
+      return absl::InternalError(absl::StrCat("sharding ", it->second, ": ",
+                                              e.what_without_backtrace()));
+    }
+    if (!p.ok()) return p.status();
+    params.push_back(std::move(*p));
+  }
+  return std::make_unique<UnitGroup>(&core, index, name, std::move(params),
+                                     options.reshard_after_forward.value_or(
+                                         core.options.reshard_after_forward));
+}
+
+}  // namespace
+
+absl::StatusOr<int> Engine::FullyShard(
+    const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
+    const std::string& name, const UnitOptions& options) {
+  if (core_->finalized) {
+    return absl::FailedPreconditionError("FullyShard after FullyShardRoot");
+  }
+  if (modules.empty())
+    return absl::InvalidArgumentError("FullyShard: no modules");
+  for (const auto& unit : core_->units) {
+    if (unit != nullptr && unit->name() == name) {
+      return absl::AlreadyExistsError(
+          absl::StrCat("unit name ", name, " used twice"));
+    }
+  }
+  std::vector<at::Tensor> candidates;
+  for (const auto& m : modules) {
+    if (m == nullptr)
+      return absl::InvalidArgumentError("FullyShard: null module");
+    for (const at::Tensor& t : m->parameters(/*recurse=*/true))
+      candidates.push_back(t);
+  }
+  const int index = static_cast<int>(core_->units.size());
+  absl::StatusOr<std::unique_ptr<UnitGroup>> unit =
+      BuildUnit(*core_, index, name, candidates, options);
+  if (!unit.ok()) return unit.status();
+  core_->units.push_back(std::move(*unit));
+  return index;
+}
+
+absl::Status Engine::FullyShardRoot(const UnitOptions& options) {
+  if (core_->finalized)
+    return absl::FailedPreconditionError("FullyShardRoot called twice");
+  absl::StatusOr<std::unique_ptr<UnitGroup>> root = BuildUnit(
+      *core_, 0, "root", core_->root->parameters(/*recurse=*/true), options);
+  if (!root.ok()) return root.status();
+  core_->units[0] = std::move(*root);
+  for (const auto& unit : core_->units) {
+    handles_.push_back(std::unique_ptr<UnitHandle>(new UnitHandle(unit.get())));
+  }
+  core_->finalized = true;
+  return absl::OkStatus();
+}
+
+absl::Status Engine::Apply(const hsdp::v1::StepSchedule& schedule,
+                           int microbatch) {
+  if (!core_->finalized)
+    return absl::FailedPreconditionError("Apply before FullyShardRoot");
+  if (!core_->status.ok()) return core_->status;
+  const int n = num_units();
+  if (schedule.units_size() != 0 && schedule.units_size() != n) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "schedule has ", schedule.units_size(), " units, the engine has ", n));
+  }
+  for (int i = 0; i < schedule.units_size(); ++i) {
+    const hsdp::v1::UnitSchedule& u = schedule.units(i);
+    if (u.unit_index() != i) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "schedule unit ", i, " has unit_index ", u.unit_index()));
+    }
+    if (!u.unit_name().empty() && u.unit_name() != core_->units[i]->name()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("schedule unit ", i, " is named ", u.unit_name(),
+                       ", the engine's is ", core_->units[i]->name()));
+    }
+    for (int j : u.forward_prefetch()) {
+      if (j < 0 || j >= n)
+        return absl::InvalidArgumentError(absl::StrCat("bad prefetch ", j));
+    }
+    for (int j : u.backward_prefetch()) {
+      if (j < 0 || j >= n)
+        return absl::InvalidArgumentError(absl::StrCat("bad prefetch ", j));
+    }
+  }
+  const int num_mb = schedule.microbatches_size();
+  if (microbatch < 0 || microbatch >= std::max(num_mb, 1)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "microbatch ", microbatch, " out of range (", num_mb, " in schedule)"));
+  }
+  if (core_->callback_queued) {
+    return absl::FailedPreconditionError("Apply during backward");
+  }
+  absl::Status s = CatchTorch(*core_, [&] {
+    if (microbatch == 0) {
+      // A new step: the optimizer has changed the shards since any unsharded
+      // copy was made.
+      for (auto& unit : core_->units) unit->Reshard();
+    }
+  });
+  if (!s.ok()) return s;
+  core_->ResetPassFlags();
+  for (int i = 0; i < schedule.units_size(); ++i) {
+    const hsdp::v1::UnitSchedule& u = schedule.units(i);
+    UnitGroup& unit = *core_->units[i];
+    unit.reshard_after_forward = u.reshard_after_forward();
+    unit.reshard_after_backward = u.reshard_after_backward();
+    unit.forward_prefetch.assign(u.forward_prefetch().begin(),
+                                 u.forward_prefetch().end());
+    unit.backward_prefetch.assign(u.backward_prefetch().begin(),
+                                  u.backward_prefetch().end());
+  }
+  if (num_mb == 0) {
+    core_->requires_grad_sync = core_->requires_all_reduce =
+        core_->is_last_backward = true;
+  } else {
+    const hsdp::v1::MicrobatchSchedule& mb = schedule.microbatches(microbatch);
+    core_->requires_grad_sync = mb.requires_grad_sync();
+    core_->requires_all_reduce = mb.requires_all_reduce();
+    core_->is_last_backward = mb.is_last_backward();
+  }
+  return absl::OkStatus();
+}
+
+UnitHandle& Engine::Root() { return *handles_.at(0); }
+UnitHandle& Engine::Unit(int index) {
+  return *handles_.at(static_cast<size_t>(index));
+}
+int Engine::num_units() const { return static_cast<int>(core_->units.size()); }
+
+std::vector<UnitInfo> Engine::Units() const {
+  std::vector<UnitInfo> out;
+  for (const auto& unit : core_->units) {
+    if (unit != nullptr) out.push_back(unit->Info());
+  }
+  return out;
+}
+
+EngineStats Engine::Stats() const {
+  EngineStats s;
+  for (const auto& unit : core_->units) {
+    if (unit == nullptr) continue;
+    UnitStats u = unit->Stats();
+    s.sharded_bytes += u.sharded_bytes;
+    s.unsharded_bytes_alive += u.unsharded_bytes_alive;
+    s.grad_bytes += u.grad_bytes;
+    s.all_gather_seconds += u.all_gather_seconds;
+    s.reduce_scatter_seconds += u.reduce_scatter_seconds;
+    s.all_reduce_seconds += u.all_reduce_seconds;
+    s.units.push_back(u);
+  }
+  s.peak_unsharded_bytes = core_->peak_unsharded_bytes;
+  return s;
+}
+
+void Engine::ResetStats() {
+  for (auto& unit : core_->units) {
+    if (unit != nullptr) unit->ResetStats();
+  }
+  core_->peak_unsharded_bytes = core_->unsharded_bytes_alive;
+}
+
+std::vector<at::Tensor> Engine::Parameters() const {
+  std::vector<at::Tensor> out;
+  for (const auto& [name, t] : NamedParameters()) out.push_back(t);
+  return out;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> Engine::NamedParameters()
+    const {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& unit : core_->units) {
+    if (unit == nullptr) continue;
+    for (ShardedParam* p : unit->params())
+      out.emplace_back(p->fqn(), p->sharded());
+  }
+  return out;
+}
+
+absl::Status Engine::status() const { return core_->status; }
+
+at::Tensor Checkpoint(Engine& engine, const TensorFn& fn,
+                      const at::Tensor& input) {
+  return CheckpointApply(&engine.core(), fn, input);
+}
+
+}  // namespace hsdp::fsdp

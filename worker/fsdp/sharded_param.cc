@@ -1,0 +1,136 @@
+#include "worker/fsdp/sharded_param.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/StorageImpl.h>
+#include <torch/csrc/autograd/generated/variable_factories.h>
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace hsdp::fsdp {
+namespace {
+
+// Frees a tensor's storage bytes but keeps the StorageImpl (and so every tensor
+// and autograd saved variable sharing it) alive; see PLATFORM-NOTES.
+void FreeStorageBytes(const at::Tensor& t) {
+  c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
+  storage->set_data_ptr_noswap(at::DataPtr(nullptr, t.device()));
+  storage->set_nbytes(static_cast<size_t>(0));
+}
+
+void AllocStorageBytes(const at::Tensor& t, size_t nbytes) {
+  c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
+  storage->set_data_ptr_noswap(storage->allocator()->allocate(nbytes));
+  storage->set_nbytes(nbytes);
+}
+
+int64_t TensorBytes(const at::Tensor& t) {
+  return t.defined() ? static_cast<int64_t>(t.numel() * t.element_size()) : 0;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ShardedParam>> ShardedParam::Create(
+    std::string fqn, at::Tensor module_param, const ShardedParamSpec& spec) {
+  if (!module_param.defined() || module_param.dim() == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "parameter ", fqn, ": 0-dim parameters cannot be sharded on dim 0"));
+  }
+  if (!module_param.is_leaf()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("parameter ", fqn, " is not a leaf"));
+  }
+  if (spec.shard_size < 1 || spec.shard_rank < 0 ||
+      spec.shard_rank >= spec.shard_size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("bad shard rank/size for ", fqn));
+  }
+  std::unique_ptr<ShardedParam> p(new ShardedParam(std::move(fqn), spec));
+  at::NoGradGuard no_grad;
+  const at::Tensor full = module_param.detach();
+  p->global_shape_ = full.sizes().vec();
+  const int64_t rows = p->global_shape_[0];
+  const int64_t size = spec.shard_size;
+  p->padded_rows_ = (rows + size - 1) / size;
+  p->row_numel_ = 1;
+  for (size_t d = 1; d < p->global_shape_.size(); ++d)
+    p->row_numel_ *= p->global_shape_[d];
+  p->row_offset_ = std::min<int64_t>(rows, spec.shard_rank * p->padded_rows_);
+  p->valid_rows_ =
+      std::clamp<int64_t>(rows - p->row_offset_, 0, p->padded_rows_);
+
+  std::vector<int64_t> shard_shape = p->global_shape_;
+  shard_shape[0] = p->padded_rows_;
+  const at::ScalarType master_dtype = full.scalar_type();
+  p->sharded_padded_ =
+      at::zeros(shard_shape, at::TensorOptions()
+                                 .dtype(master_dtype)
+                                 .device(spec.shard_device)
+                                 .pinned_memory(spec.pin_memory));
+  p->sharded_padded_.narrow(0, 0, p->valid_rows_)
+      .copy_(full.narrow(0, p->row_offset_, p->valid_rows_));
+  // A leaf aliasing the valid rows: what the optimizer updates in place.
+  p->sharded_ = p->sharded_padded_.narrow(0, 0, p->valid_rows_).detach();
+  p->sharded_.set_requires_grad(true);
+
+  std::vector<int64_t> unsharded_shape = p->global_shape_;
+  unsharded_shape[0] = p->padded_rows_ * size;
+  p->unsharded_padded_ = at::empty(
+      unsharded_shape,
+      at::TensorOptions().dtype(spec.param_dtype).device(spec.compute_device));
+  p->unsharded_allocated_ = true;
+  // The module parameter keeps its identity (and requires_grad) but now shares
+  // the unsharded buffer's StorageImpl; its old full-size storage is released
+  // with `full`.
+  p->module_param_ = module_param;
+  p->module_param_.set_data(p->unsharded_padded_.narrow(0, 0, rows));
+  p->FreeUnsharded();
+  return p;
+}
+
+int64_t ShardedParam::unsharded_bytes() const {
+  return padded_rows_ * spec_.shard_size * row_numel_ *
+         static_cast<int64_t>(c10::elementSize(spec_.param_dtype));
+}
+
+int64_t ShardedParam::sharded_bytes() const {
+  return TensorBytes(sharded_padded_);
+}
+
+void ShardedParam::AllocUnsharded() {
+  if (unsharded_allocated_) return;
+  AllocStorageBytes(unsharded_padded_, static_cast<size_t>(unsharded_bytes()));
+  unsharded_allocated_ = true;
+}
+
+void ShardedParam::FreeUnsharded() {
+  if (!unsharded_allocated_) return;
+  FreeStorageBytes(unsharded_padded_);
+  unsharded_allocated_ = false;
+}
+
+void ShardedParam::ClearUnshardedGrad() {
+  if (module_param_.grad().defined()) module_param_.mutable_grad().reset();
+}
+
+int64_t ShardedParam::grad_bytes() const {
+  return TensorBytes(sharded_.grad()) + TensorBytes(module_param_.grad());
+}
+
+void ShardedParam::AccumulateShardedGrad(const at::Tensor& reduced) {
+  at::NoGradGuard no_grad;
+  at::Tensor r = reduced.to(sharded_.device(), sharded_.scalar_type());
+  at::Tensor& grad = sharded_.mutable_grad();
+  if (!grad.defined()) {
+    // Own the bytes: `reduced` may alias a flat communication buffer.
+    grad = at::empty_like(sharded_,
+                          at::TensorOptions().pinned_memory(spec_.pin_memory));
+    grad.copy_(r);
+  } else {
+    grad.add_(r);
+  }
+}
+
+}  // namespace hsdp::fsdp

@@ -1,0 +1,104 @@
+// Per-parameter sharding state (FSDP2's FSDPParam): dim-0 sharding with padding
+// to ceil(rows/S) rows per rank.
+//
+// The optimizer sees `sharded()`: a plain leaf tensor holding this rank's valid
+// rows (it aliases the first rows of a zero-padded local buffer, so the padding
+// is never visible and stays zero). The module's parameter keeps its identity
+// and becomes, via set_data, a view of an unsharded padded buffer whose
+// *storage bytes* are freed on reshard and reallocated on unshard: the tensor
+// objects autograd saved stay valid and see the refilled bytes.
+//
+// Thread-compatible: owned and driven by one UnitGroup on the training thread.
+#ifndef HSDP_WORKER_FSDP_SHARDED_PARAM_H_
+#define HSDP_WORKER_FSDP_SHARDED_PARAM_H_
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace hsdp::fsdp {
+
+struct ShardedParamSpec {
+  int shard_rank = 0;
+  int shard_size = 1;
+  c10::Device compute_device = c10::kCPU;  // where the unsharded tensor lives
+  c10::Device shard_device =
+      c10::kCPU;  // where the shard and its grad live (CPU if offload)
+  bool pin_memory = false;  // pinned shard (offload with CUDA)
+  c10::ScalarType param_dtype = c10::kFloat;  // dtype of the unsharded tensor
+};
+
+class ShardedParam {
+ public:
+  // Takes over `module_param` (a leaf parameter of a module): copies out this
+  // rank's rows and points the parameter at a freed unsharded buffer.
+  static absl::StatusOr<std::unique_ptr<ShardedParam>> Create(
+      std::string fqn, at::Tensor module_param, const ShardedParamSpec& spec);
+  ShardedParam(const ShardedParam&) = delete;
+  ShardedParam& operator=(const ShardedParam&) = delete;
+
+  const std::string& fqn() const { return fqn_; }
+  const std::vector<int64_t>& global_shape() const { return global_shape_; }
+  int64_t rows() const { return global_shape_[0]; }
+  int64_t padded_rows_per_rank() const { return padded_rows_; }
+  int64_t row_numel() const { return row_numel_; }
+  int64_t shard_numel() const {
+    return padded_rows_ * row_numel_;
+  }  // padded, per rank
+  int64_t valid_rows() const { return valid_rows_; }
+  int64_t row_offset() const { return row_offset_; }
+  int64_t numel() const { return rows() * row_numel_; }
+  const ShardedParamSpec& spec() const { return spec_; }
+
+  // The optimizer's leaf (valid rows, fp32 master copy). Its grad is the
+  // sharded grad.
+  at::Tensor& sharded() { return sharded_; }
+  const at::Tensor& sharded() const { return sharded_; }
+  // The zero-padded local shard sharded() aliases.
+  const at::Tensor& sharded_padded() const { return sharded_padded_; }
+  // The module's parameter (unsharded view; storage may be freed).
+  const at::Tensor& module_param() const { return module_param_; }
+  // [S * padded_rows, ...] in param_dtype on the compute device; storage may be
+  // freed.
+  const at::Tensor& unsharded_padded() const { return unsharded_padded_; }
+
+  bool unsharded_allocated() const { return unsharded_allocated_; }
+  int64_t unsharded_bytes() const;  // bytes when allocated
+  int64_t sharded_bytes() const;    // padded shard bytes
+  void AllocUnsharded();            // no-op when allocated
+  void FreeUnsharded();             // no-op when freed
+
+  // The unsharded gradient autograd accumulated on the module parameter (may be
+  // undefined).
+  at::Tensor unsharded_grad() const { return module_param_.grad(); }
+  void ClearUnshardedGrad();
+  int64_t grad_bytes() const;  // sharded + unsharded grad bytes currently held
+  // Adds `reduced` (valid rows, any dtype/device) into sharded().grad().
+  void AccumulateShardedGrad(const at::Tensor& reduced);
+
+ private:
+  ShardedParam(std::string fqn, const ShardedParamSpec& spec)
+      : fqn_(std::move(fqn)), spec_(spec) {}
+
+  std::string fqn_;
+  ShardedParamSpec spec_;
+  std::vector<int64_t> global_shape_;
+  int64_t padded_rows_ = 0;
+  int64_t row_numel_ = 1;
+  int64_t valid_rows_ = 0;
+  int64_t row_offset_ = 0;
+  at::Tensor sharded_padded_;
+  at::Tensor sharded_;
+  at::Tensor module_param_;
+  at::Tensor unsharded_padded_;
+  bool unsharded_allocated_ = false;
+};
+
+}  // namespace hsdp::fsdp
+
+#endif  // HSDP_WORKER_FSDP_SHARDED_PARAM_H_

@@ -1,0 +1,286 @@
+#include "worker/fsdp/unit_group.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "worker/fsdp/collectives.h"
+#include "worker/fsdp/hooks.h"
+
+namespace hsdp::fsdp {
+
+EngineCore::EngineCore(std::shared_ptr<torch::nn::Module> root_module,
+                       MeshComms mesh_comms, EngineOptions engine_options)
+    : root(std::move(root_module)), mesh(mesh_comms), options(engine_options) {}
+
+void EngineCore::Fail(const absl::Status& error) {
+  if (status.ok()) status = error;
+  TORCH_CHECK(false, "hsdp engine: ", status.ToString());
+  __builtin_unreachable();
+}
+
+void EngineCore::CheckOk() const {
+  TORCH_CHECK(status.ok(), "hsdp engine: ", status.ToString());
+}
+
+void EngineCore::AddUnshardedBytes(int64_t delta) {
+  unsharded_bytes_alive += delta;
+  peak_unsharded_bytes = std::max(peak_unsharded_bytes, unsharded_bytes_alive);
+}
+
+void EngineCore::FinishPendingReductions() {
+  std::vector<UnitGroup*> pending;
+  pending.swap(pending_reductions);
+  for (UnitGroup* unit : pending) unit->FinishReduction();
+}
+
+void EngineCore::QueueEndOfBackwardOnce() {
+  if (callback_queued) return;
+  callback_queued = true;
+  QueueEndOfBackwardCallback(this);
+}
+
+void EngineCore::EndOfBackward() {
+  // Reverse forward order is the order the hooks would have fired in.
+  for (auto it = units.rbegin(); it != units.rend(); ++it) {
+    UnitGroup& unit = **it;
+    if (unit.forwarded && !unit.post_backward_done) unit.PostBackward();
+  }
+  FinishPendingReductions();
+  ResetPassFlags();
+}
+
+void EngineCore::ResetPassFlags() {
+  callback_queued = false;
+  for (auto& unit : units) {
+    unit->forwarded = false;
+    unit->pre_backward_done = false;
+    unit->post_backward_done = false;
+  }
+}
+
+UnitGroup::UnitGroup(EngineCore* core, int index, std::string name,
+                     std::vector<std::unique_ptr<ShardedParam>> params,
+                     bool reshard_after_forward)
+    : reshard_after_forward(reshard_after_forward),
+      core_(core),
+      index_(index),
+      name_(std::move(name)),
+      params_(std::move(params)) {
+  const c10::ScalarType master =
+      params_.empty() ? c10::kFloat : params_.front()->sharded().scalar_type();
+  compute_dtype_ = core_->param_dtype(master);
+  reduce_dtype_ =
+      core_->options.mixed_precision.reduce_dtype.value_or(compute_dtype_);
+  for (const auto& p : params_) stats_.sharded_bytes += p->sharded_bytes();
+}
+
+std::vector<ShardedParam*> UnitGroup::params() const {
+  std::vector<ShardedParam*> out;
+  out.reserve(params_.size());
+  for (const auto& p : params_) out.push_back(p.get());
+  return out;
+}
+
+absl::Status UnitGroup::WaitWork(std::unique_ptr<comm::Work>& work,
+                                 double* seconds, const char* what) {
+  absl::Status s = work->Wait();
+  if (!s.ok()) {
+    return absl::Status(
+        s.code(), absl::StrCat(what, " of unit ", name_, ": ", s.message()));
+  }
+  *seconds += work->ElapsedSeconds();
+  work.reset();
+  return absl::OkStatus();
+}
+
+void UnitGroup::Unshard() {
+  if (state_ != State::kSharded || params_.empty()) {
+    if (params_.empty()) state_ = State::kUnsharded;
+    return;
+  }
+  core_->CheckOk();
+  const c10::Device device = core_->options.device;
+  ag_input_ = AllGatherCopyIn(params(), compute_dtype_, device);
+  ++stats_.all_gathers;
+  if (core_->shard_size() > 1) {
+    ag_output_ = at::empty({ag_input_.numel() * core_->shard_size()},
+                           ag_input_.options());
+    absl::StatusOr<comm::Buffer> in = ToBuffer(ag_input_);
+    absl::StatusOr<comm::Buffer> out = ToBuffer(ag_output_);
+    if (!in.ok()) core_->Fail(in.status());
+    if (!out.ok()) core_->Fail(out.status());
+    ag_work_ = core_->mesh.shard->AllGather(*in, *out);
+  } else {
+    ag_output_ =
+        ag_input_;  // one shard: the gathered tensor is the shard itself
+  }
+  state_ = State::kGathering;
+}
+
+void UnitGroup::WaitForUnshard() {
+  if (state_ == State::kSharded) Unshard();
+  if (state_ != State::kGathering) return;
+  if (ag_work_) {
+    absl::Status s =
+        WaitWork(ag_work_, &stats_.all_gather_seconds, "all-gather");
+    if (!s.ok()) core_->Fail(s);
+  }
+  for (ShardedParam* p : params()) {
+    if (!p->unsharded_allocated()) {
+      p->AllocUnsharded();
+      stats_.unsharded_bytes_alive += p->unsharded_bytes();
+      core_->AddUnshardedBytes(p->unsharded_bytes());
+    }
+  }
+  stats_.peak_unsharded_bytes =
+      std::max(stats_.peak_unsharded_bytes, stats_.unsharded_bytes_alive);
+  AllGatherCopyOut(ag_output_, params());
+  ag_input_.reset();
+  ag_output_.reset();
+  state_ = State::kUnsharded;
+}
+
+void UnitGroup::Reshard() {
+  if (state_ == State::kGathering) WaitForUnshard();
+  if (state_ != State::kUnsharded) return;
+  for (ShardedParam* p : params()) {
+    if (p->unsharded_allocated()) {
+      p->FreeUnsharded();
+      stats_.unsharded_bytes_alive -= p->unsharded_bytes();
+      core_->AddUnshardedBytes(-p->unsharded_bytes());
+    }
+  }
+  state_ = State::kSharded;
+}
+
+void UnitGroup::PreForward() {
+  core_->CheckOk();
+  Unshard();
+  // No forward prefetch while recomputing inside backward: the next units'
+  // gathers would be wasted (backward runs in the other direction).
+  if (core_->recompute_depth == 0) {
+    for (int j : forward_prefetch) core_->units[j]->Unshard();
+  }
+  WaitForUnshard();
+  forwarded = true;
+}
+
+void UnitGroup::PostForward() {
+  if (reshard_after_forward && core_->recompute_depth == 0) Reshard();
+}
+
+void UnitGroup::PreBackward() {
+  core_->QueueEndOfBackwardOnce();
+  if (pre_backward_done) return;
+  pre_backward_done = true;
+  Unshard();
+  for (int j : backward_prefetch) core_->units[j]->Unshard();
+  WaitForUnshard();
+}
+
+void UnitGroup::PostBackward() {
+  if (post_backward_done) return;
+  post_backward_done = true;
+  // At most one reduction in flight: bounds the flat gradient buffers alive at
+  // once.
+  core_->FinishPendingReductions();
+  if (core_->requires_grad_sync && !params_.empty()) IssueReduction();
+  if (reshard_after_backward || core_->is_last_backward) Reshard();
+}
+
+void UnitGroup::IssueReduction() {
+  core_->CheckOk();
+  rs_input_ = ReduceScatterCopyIn(params(), reduce_dtype_);
+  for (ShardedParam* p : params()) p->ClearUnshardedGrad();
+  ++stats_.reduce_scatters;
+  if (core_->shard_size() > 1) {
+    rs_output_ = at::empty({rs_input_.numel() / core_->shard_size()},
+                           rs_input_.options());
+    absl::StatusOr<comm::Buffer> in = ToBuffer(rs_input_);
+    absl::StatusOr<comm::Buffer> out = ToBuffer(rs_output_);
+    if (!in.ok()) core_->Fail(in.status());
+    if (!out.ok()) core_->Fail(out.status());
+    rs_work_ =
+        core_->mesh.shard->ReduceScatter(*in, *out, comm::ReduceOp::kAvg);
+  } else {
+    rs_output_ = rs_input_;
+  }
+  rs_all_reduce_ = core_->requires_all_reduce;
+  reduction_pending_ = true;
+  core_->pending_reductions.push_back(this);
+}
+
+void UnitGroup::FinishReduction() {
+  if (!reduction_pending_) return;
+  reduction_pending_ = false;
+  if (rs_work_) {
+    absl::Status s =
+        WaitWork(rs_work_, &stats_.reduce_scatter_seconds, "reduce-scatter");
+    if (!s.ok()) core_->Fail(s);
+  }
+  at::Tensor reduced = std::move(rs_output_);
+  rs_input_.reset();
+  if (core_->replicate_size() > 1) {
+    at::NoGradGuard no_grad;
+    if (!rs_all_reduce_) {
+      // HSDP without all-reduce this microbatch: hold the shard-reduced grads
+      // until one with.
+      if (partial_reduce_.defined()) {
+        partial_reduce_.add_(reduced);
+      } else {
+        partial_reduce_ = reduced.clone();
+      }
+      return;
+    }
+    if (partial_reduce_.defined()) {
+      reduced = reduced.add(partial_reduce_);
+      partial_reduce_.reset();
+    }
+    if (!reduced.is_contiguous()) reduced = reduced.contiguous();
+    absl::StatusOr<comm::Buffer> buffer = ToBuffer(reduced);
+    if (!buffer.ok()) core_->Fail(buffer.status());
+    std::unique_ptr<comm::Work> work =
+        core_->mesh.replicate->AllReduce(*buffer, comm::ReduceOp::kAvg);
+    absl::Status s = WaitWork(work, &stats_.all_reduce_seconds, "all-reduce");
+    if (!s.ok()) core_->Fail(s);
+  }
+  const std::vector<ShardedParam*> ps = params();
+  const std::vector<at::Tensor> pieces = SplitReducedChunk(reduced, ps);
+  for (size_t i = 0; i < ps.size(); ++i)
+    ps[i]->AccumulateShardedGrad(pieces[i]);
+}
+
+UnitInfo UnitGroup::Info() const {
+  UnitInfo info;
+  info.name = name_;
+  info.num_params = static_cast<int64_t>(params_.size());
+  for (const auto& p : params_) {
+    info.numel += p->numel();
+    info.unsharded_bytes +=
+        p->numel() * static_cast<int64_t>(c10::elementSize(compute_dtype_));
+    info.sharded_bytes += p->sharded_bytes();
+    info.param_names.push_back(p->fqn());
+  }
+  return info;
+}
+
+UnitStats UnitGroup::Stats() const {
+  UnitStats s = stats_;
+  s.grad_bytes = 0;
+  for (const auto& p : params_) s.grad_bytes += p->grad_bytes();
+  return s;
+}
+
+void UnitGroup::ResetStats() {
+  const UnitStats old = stats_;
+  stats_ = UnitStats();
+  stats_.sharded_bytes = old.sharded_bytes;
+  stats_.unsharded_bytes_alive = old.unsharded_bytes_alive;
+  stats_.peak_unsharded_bytes = old.unsharded_bytes_alive;
+}
+
+}  // namespace hsdp::fsdp

@@ -1,0 +1,177 @@
+// One shard unit (FSDP2's FSDPParamGroup) and the engine-wide state the units
+// and autograd hooks share (EngineCore).
+//
+// A unit moves through kSharded → kGathering (all-gather issued) → kUnsharded
+// and back to kSharded on reshard. Per unit there is one fused all-gather
+// (copy-in, AllGather, copy-out) and one fused reduce-scatter of the gradients
+// in reduce_dtype; in HSDP the reduced shard is then all-reduced across the
+// replicate group. Collectives are issued from the training thread (or the
+// autograd thread while the training thread waits in backward) in program
+// order, so every rank issues the same sequence.
+//
+// Thread-compatible: only ever driven by one thread at a time (see
+// fully_shard.h).
+#ifndef HSDP_WORKER_FSDP_UNIT_GROUP_H_
+#define HSDP_WORKER_FSDP_UNIT_GROUP_H_
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "worker/comm/communicator.h"
+#include "worker/fsdp/fully_shard.h"
+#include "worker/fsdp/sharded_param.h"
+
+namespace hsdp::fsdp {
+
+class UnitGroup;
+
+// Engine-wide state. Public fields: this is the engine's internal blackboard,
+// read and written by UnitGroup, the hooks and the helpers, all on the one
+// thread driving the engine.
+class EngineCore {
+ public:
+  EngineCore(std::shared_ptr<torch::nn::Module> root_module,
+             MeshComms mesh_comms, EngineOptions engine_options);
+  EngineCore(const EngineCore&) = delete;
+  EngineCore& operator=(const EngineCore&) = delete;
+
+  int shard_rank() const { return mesh.shard->rank(); }
+  int shard_size() const { return mesh.shard->size(); }
+  int replicate_rank() const {
+    return mesh.replicate ? mesh.replicate->rank() : 0;
+  }
+  int replicate_size() const {
+    return mesh.replicate ? mesh.replicate->size() : 1;
+  }
+  int global_rank() const {
+    return replicate_rank() * shard_size() + shard_rank();
+  }
+  c10::ScalarType param_dtype(c10::ScalarType master) const {
+    return options.mixed_precision.param_dtype.value_or(master);
+  }
+
+  // Records the first error (sticky) and throws it as c10::Error: the only way
+  // out of an autograd hook. Callers outside autograd convert it back with
+  // status().
+  [[noreturn]] void Fail(const absl::Status& error);
+  // Throws the sticky error, if any.
+  void CheckOk() const;
+
+  void AddUnshardedBytes(int64_t delta);
+  // Waits every issued reduction and accumulates it into the sharded grads.
+  void FinishPendingReductions();
+  // Queues EndOfBackward on the running autograd graph task, once per backward.
+  void QueueEndOfBackwardOnce();
+  // Runs post-backward for units whose hook did not fire, waits for all
+  // reductions, resets the per-backward flags.
+  void EndOfBackward();
+  void ResetPassFlags();
+
+  std::shared_ptr<torch::nn::Module> root;
+  MeshComms mesh;
+  EngineOptions options;
+  std::vector<std::unique_ptr<UnitGroup>>
+      units;  // index 0 = root once finalized
+  bool finalized = false;
+
+  // Current microbatch (from Apply).
+  bool requires_grad_sync = true;
+  bool requires_all_reduce = true;
+  bool is_last_backward = true;
+
+  bool callback_queued = false;
+  int recompute_depth = 0;
+  std::vector<UnitGroup*> pending_reductions;
+  std::map<int64_t, TensorFn> checkpoint_fns;
+  int64_t next_checkpoint_id = 0;
+
+  absl::Status status;
+  int64_t unsharded_bytes_alive = 0;
+  int64_t peak_unsharded_bytes = 0;
+};
+
+class UnitGroup {
+ public:
+  UnitGroup(EngineCore* core, int index, std::string name,
+            std::vector<std::unique_ptr<ShardedParam>> params,
+            bool reshard_after_forward);
+  UnitGroup(const UnitGroup&) = delete;
+  UnitGroup& operator=(const UnitGroup&) = delete;
+
+  EngineCore& core() const { return *core_; }
+  int index() const { return index_; }
+  const std::string& name() const { return name_; }
+  void set_index(int index) { index_ = index; }
+  std::vector<ShardedParam*> params() const;
+  bool is_unsharded() const { return state_ == State::kUnsharded; }
+
+  // Issues the all-gather when sharded (no-op otherwise).
+  void Unshard();
+  // Completes an issued all-gather (issuing it first if needed) and fills the
+  // parameters.
+  void WaitForUnshard();
+  // Frees the unsharded storage (waiting for an in-flight all-gather first).
+  void Reshard();
+
+  void PreForward();
+  void PostForward();
+  void PreBackward();
+  void PostBackward();
+  // Waits the issued reduce-scatter (and all-reduce) and accumulates into the
+  // sharded grads.
+  void FinishReduction();
+
+  UnitInfo Info() const;
+  UnitStats Stats() const;
+  void ResetStats();
+
+  // From the schedule (or defaults).
+  bool reshard_after_forward;
+  bool reshard_after_backward = true;
+  std::vector<int> forward_prefetch;
+  std::vector<int> backward_prefetch;
+
+  // Per backward pass.
+  bool forwarded = false;
+  bool pre_backward_done = false;
+  bool post_backward_done = false;
+
+ private:
+  enum class State { kSharded, kGathering, kUnsharded };
+
+  void IssueReduction();
+  absl::Status WaitWork(std::unique_ptr<comm::Work>& work, double* seconds,
+                        const char* what);
+
+  EngineCore* core_;
+  int index_;
+  std::string name_;
+  std::vector<std::unique_ptr<ShardedParam>> params_;
+  State state_ = State::kSharded;
+  c10::ScalarType compute_dtype_;
+  c10::ScalarType reduce_dtype_;
+
+  at::Tensor ag_input_;
+  at::Tensor ag_output_;
+  std::unique_ptr<comm::Work> ag_work_;
+  at::Tensor rs_input_;
+  at::Tensor rs_output_;
+  std::unique_ptr<comm::Work> rs_work_;
+  bool rs_all_reduce_ = false;
+  bool reduction_pending_ = false;
+  // Shard-reduced grads of earlier microbatches that still owe the replicate
+  // all-reduce.
+  at::Tensor partial_reduce_;
+
+  UnitStats stats_;
+};
+
+}  // namespace hsdp::fsdp
+
+#endif  // HSDP_WORKER_FSDP_UNIT_GROUP_H_
