@@ -7,6 +7,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "gloo/allgather.h"
 #include "gloo/allreduce.h"
 #include "gloo/alltoall.h"
@@ -136,11 +137,25 @@ absl::StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::Create(
                      ", store prefix '", prefix, "'): rendezvous failed");
     absl::Status store_error = gloo_store.first_error();
     if (!store_error.ok()) {
-      // Gloo waits for key "<r>" of every peer r: a missing key names the rank
-      // that never came.
-      return absl::Status(store_error.code(),
-                          absl::StrCat(where, ", a peer never arrived: ",
-                                       store_error.message()));
+      // Gloo waits for key "<r>" of every peer r: the keys still missing name
+      // the ranks that never came (a cheap probe, only on this failure path).
+      std::vector<std::string> missing;
+      for (int r = 0; r < size; ++r) {
+        if (r == rank) continue;
+        if (!store
+                 .Get(gloo_store.FullKey(std::to_string(r)),
+                      absl::ZeroDuration())
+                 .ok()) {
+          missing.push_back(std::to_string(r));
+        }
+      }
+      return absl::Status(
+          store_error.code(),
+          absl::StrCat(where, ": rank(s) ",
+                       missing.empty() ? "?" : absl::StrJoin(missing, ", "),
+                       " never arrived within ",
+                       absl::FormatDuration(options.timeout), " (",
+                       store_error.message(), ")"));
     }
     const bool timed_out = absl::StrContains(e.what(), kGlooTimeoutText) ||
                            absl::StrContains(e.what(), "timeout");
