@@ -1,0 +1,50 @@
+#include "common/units.h"
+
+#include <gtest/gtest.h>
+
+namespace hsdp {
+namespace {
+
+hsdp::v1::UnitInfo Unit(const std::string& name, int64_t params) {
+  hsdp::v1::UnitInfo unit;
+  unit.set_name(name);
+  unit.set_param_count(params);
+  unit.set_param_bytes(params * 4);
+  return unit;
+}
+
+TEST(UnitsTest, ValidatesLists) {
+  EXPECT_TRUE(ValidateUnitList({Unit("root", 10), Unit("layers.0", 5)}).ok());
+  EXPECT_EQ(ValidateUnitList({}).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ValidateUnitList({Unit("", 1)}).code(),
+            absl::StatusCode::kInvalidArgument);
+  absl::Status dup = ValidateUnitList({Unit("root", 1), Unit("root", 1)});
+  EXPECT_EQ(dup.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(dup.message(), "unit 1: duplicate name root");
+  EXPECT_EQ(ValidateUnitList({Unit("root", -1)}).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(UnitsTest, CompareNamesFirstDifference) {
+  const UnitList job = {Unit("root", 10), Unit("layers.0", 5),
+                        Unit("layers.1", 5)};
+  EXPECT_TRUE(CompareUnitLists(job, job).ok());
+  UnitList other = job;
+  other[1].set_param_count(6);
+  absl::Status s = CompareUnitLists(other, job);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(
+      s.message(),
+      "unit 1 differs: got layers.0 (params 6, bytes 20), the job has layers.0 "
+      "(params 5, bytes 20)");
+  UnitList shorter(job.begin(), job.begin() + 2);
+  s = CompareUnitLists(shorter, job);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(s.message().find("first missing: layers.1"), std::string::npos)
+      << s;
+  EXPECT_EQ(TotalParamBytes(job), 80);
+  EXPECT_EQ(UnitNames(job)[2], "layers.1");
+}
+
+}  // namespace
+}  // namespace hsdp
