@@ -112,6 +112,8 @@ class GptImpl : public torch::nn::Module {
   int num_blocks() const { return static_cast<int>(blocks_.size()); }
   // The blocks in forward order; block i is unit "layers.i".
   const std::vector<Block>& blocks() const { return blocks_; }
+  // Block i (a holder sharing the module; callable from const contexts).
+  Block block(int i) const { return blocks_.at(i); }
   // Modules of the root unit (embeddings, final norm, head).
   std::vector<std::shared_ptr<torch::nn::Module>> RootModules() const;
 
