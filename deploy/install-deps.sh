@@ -10,7 +10,7 @@ PACKAGES=(
   libabsl-dev libgtest-dev libgmock-dev libbenchmark-dev
   prometheus-cpp-dev nlohmann-json3-dev libcli11-dev libssl-dev
   python3 python3-torch python3-grpcio
-  yamllint iproute2
+  yamllint iproute2 python3-yaml
 )
 
 missing=()
