@@ -1,0 +1,197 @@
+#include "coordinator/control_service.h"
+
+#include <google/protobuf/unknown_field_set.h>
+#include <grpcpp/server_context.h>
+
+#include <algorithm>
+#include <iostream>
+#include <string>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "common/mesh.h"
+#include "common/status_util.h"
+#include "coordinator/grpc_status.h"
+
+namespace hsdp::coordinator {
+namespace {
+
+constexpr char kAuthorizationHeader[] = "authorization";
+
+// Compares without an early exit, so the time taken does not reveal how much of
+// a guessed token was right.
+bool ConstantTimeEquals(absl::string_view a, absl::string_view b) {
+  unsigned char diff = a.size() == b.size() ? 0 : 1;
+  const size_t n = std::min(a.size(), b.size());
+  for (size_t i = 0; i < n; ++i)
+    diff |= static_cast<unsigned char>(a[i] ^ b[i]);
+  return diff == 0;
+}
+
+absl::Status UnknownFieldsError(const google::protobuf::Message& message,
+                                absl::string_view path) {
+  const google::protobuf::UnknownFieldSet& fields =
+      message.GetReflection()->GetUnknownFields(message);
+  if (fields.empty()) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat(path, ": unknown field number ", fields.field(0).number(),
+                   " (client newer than this coordinator?)"));
+}
+
+}  // namespace
+
+absl::Status CheckNoUnknownFields(const hsdp::v1::Policy& policy) {
+  HSDP_RETURN_IF_ERROR(UnknownFieldsError(policy, "policy"));
+  for (int i = 0; i < policy.overrides_size(); ++i) {
+    HSDP_RETURN_IF_ERROR(UnknownFieldsError(
+        policy.overrides(i), absl::StrCat("policy.overrides[", i, "]")));
+  }
+  return absl::OkStatus();
+}
+
+ControlServiceImpl::ControlServiceImpl(CoordinatorCore core,
+                                       std::string control_token)
+    : core_(core),
+      expected_authorization_(
+          control_token.empty() ? "" : absl::StrCat("Bearer ", control_token)) {
+}
+
+absl::Status ControlServiceImpl::Authenticate(
+    const grpc::ServerContext& context) const {
+  if (expected_authorization_.empty()) return absl::OkStatus();
+  const auto& metadata = context.client_metadata();
+  auto it = metadata.find(kAuthorizationHeader);
+  if (it == metadata.end()) {
+    return absl::UnauthenticatedError(
+        "missing 'authorization: Bearer <token>' metadata");
+  }
+  const absl::string_view got(it->second.data(), it->second.size());
+  if (!ConstantTimeEquals(got, expected_authorization_)) {
+    return absl::UnauthenticatedError("invalid control token");
+  }
+  return absl::OkStatus();
+}
+
+namespace {
+
+// Every method authenticates first, so an unauthenticated call reads or changes
+// nothing; then runs `body` and converts its result for the wire.
+template <typename Body>
+grpc::Status Authorized(const absl::Status& auth, Body&& body) {
+  if (!auth.ok()) return ToGrpcStatus(auth);
+  return ToGrpcStatus(body());
+}
+
+}  // namespace
+
+grpc::Status ControlServiceImpl::GetStatus(
+    grpc::ServerContext* context, const hsdp::v1::GetStatusRequest* /*request*/,
+    hsdp::v1::GetStatusResponse* response) {
+  return Authorized(Authenticate(*context), [&]() -> absl::Status {
+    const Membership& m = *core_.membership;
+    const ScheduleLog& log = *core_.schedule_log;
+    response->set_job_id(m.job_id());
+    response->set_state(m.job_state());
+    response->set_world_size(m.world_size());
+    *response->mutable_mesh() = MeshToProto(m.mesh());
+    response->set_workers_alive(m.workers_alive());
+    response->set_generation(m.generation());
+    response->set_sealed_step(log.sealed_step());
+    response->set_policy_version(log.CurrentPolicy().version);
+    response->set_last_checkpoint_step(log.last_checkpoint_step());
+    response->set_drain_step(log.drain_step());
+    response->set_model(m.model());
+    response->set_unit_count(static_cast<int32_t>(m.units().size()));
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status ControlServiceImpl::ListWorkers(
+    grpc::ServerContext* context,
+    const hsdp::v1::ListWorkersRequest* /*request*/,
+    hsdp::v1::ListWorkersResponse* response) {
+  return Authorized(Authenticate(*context), [&]() -> absl::Status {
+    for (const WorkerSnapshot& w : core_.membership->Workers()) {
+      hsdp::v1::WorkerInfo* info = response->add_workers();
+      info->set_rank(w.rank);
+      info->set_state(w.state);
+      info->set_hostname(w.hostname);
+      info->set_device(w.device);
+      info->set_replicate_index(w.coord.replicate_index);
+      info->set_shard_index(w.coord.shard_index);
+      info->set_heartbeat_age_ms(absl::ToInt64Milliseconds(w.heartbeat_age));
+      hsdp::v1::StepReport report;
+      if (core_.reports->Latest(w.rank, &report))
+        *info->mutable_last_report() = report;
+    }
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status ControlServiceImpl::GetPolicy(
+    grpc::ServerContext* context, const hsdp::v1::GetPolicyRequest* /*request*/,
+    hsdp::v1::GetPolicyResponse* response) {
+  return Authorized(Authenticate(*context), [&]() -> absl::Status {
+    PolicyInfo current = core_.schedule_log->CurrentPolicy();
+    *response->mutable_policy() = std::move(current.policy);
+    response->set_policy_version(current.version);
+    response->set_effective_step(current.effective_step);
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status ControlServiceImpl::SetPolicy(
+    grpc::ServerContext* context, const hsdp::v1::SetPolicyRequest* request,
+    hsdp::v1::SetPolicyResponse* response) {
+  return Authorized(Authenticate(*context), [&]() -> absl::Status {
+    if (!request->has_policy())
+      return absl::InvalidArgumentError("policy: missing");
+    HSDP_RETURN_IF_ERROR(CheckNoUnknownFields(request->policy()));
+    HSDP_ASSIGN_OR_RETURN(PolicyInfo applied,
+                          core_.schedule_log->SetPolicy(request->policy()));
+    response->set_policy_version(applied.version);
+    response->set_effective_step(applied.effective_step);
+    core_.metrics->SetPolicyVersion(applied.version);
+    std::cerr << "hsdp-coordinator: policy version " << applied.version
+              << " applies from step " << applied.effective_step << "\n";
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status ControlServiceImpl::GetSchedule(
+    grpc::ServerContext* context,
+    const hsdp::v1::ControlServiceGetScheduleRequest* request,
+    hsdp::v1::ControlServiceGetScheduleResponse* response) {
+  return Authorized(Authenticate(*context), [&]() -> absl::Status {
+    HSDP_ASSIGN_OR_RETURN(std::shared_ptr<const SealedSchedule> sealed,
+                          core_.schedule_log->GetSealed(request->step()));
+    *response->mutable_schedule() = sealed->schedule;
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status ControlServiceImpl::RequestCheckpoint(
+    grpc::ServerContext* context,
+    const hsdp::v1::RequestCheckpointRequest* /*request*/,
+    hsdp::v1::RequestCheckpointResponse* response) {
+  return Authorized(Authenticate(*context), [&]() -> absl::Status {
+    HSDP_ASSIGN_OR_RETURN(int64_t step,
+                          core_.schedule_log->RequestCheckpoint());
+    response->set_step(step);
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status ControlServiceImpl::Drain(
+    grpc::ServerContext* context, const hsdp::v1::DrainRequest* /*request*/,
+    hsdp::v1::DrainResponse* response) {
+  return Authorized(Authenticate(*context), [&]() -> absl::Status {
+    HSDP_ASSIGN_OR_RETURN(int64_t last_step, core_.schedule_log->Drain());
+    response->set_last_step(last_step);
+    core_.membership->SetDraining(true);
+    return absl::OkStatus();
+  });
+}
+
+}  // namespace hsdp::coordinator

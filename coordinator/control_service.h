@@ -1,0 +1,62 @@
+// ControlService: the operator-facing gRPC API (hsdpctl). When a control token
+// is configured every call must carry `authorization: Bearer <token>`; a
+// missing or wrong token is UNAUTHENTICATED and the call does nothing.
+#ifndef HSDP_COORDINATOR_CONTROL_SERVICE_H_
+#define HSDP_COORDINATOR_CONTROL_SERVICE_H_
+
+#include <string>
+
+#include "absl/status/status.h"
+#include "coordinator/coordinator_service.h"
+#include "hsdp/v1/control_service.grpc.pb.h"
+
+namespace hsdp::coordinator {
+
+// Rejects a policy carrying fields this coordinator does not know (a newer
+// client's fields would otherwise be dropped silently): INVALID_ARGUMENT naming
+// the field number.
+absl::Status CheckNoUnknownFields(const hsdp::v1::Policy& policy);
+
+// Thread-safe: all state lives in the (thread-safe) core components; the token
+// is immutable.
+class ControlServiceImpl final : public hsdp::v1::ControlService::Service {
+ public:
+  // An empty `control_token` disables authentication.
+  ControlServiceImpl(CoordinatorCore core, std::string control_token);
+  ControlServiceImpl(const ControlServiceImpl&) = delete;
+  ControlServiceImpl& operator=(const ControlServiceImpl&) = delete;
+
+  grpc::Status GetStatus(grpc::ServerContext* context,
+                         const hsdp::v1::GetStatusRequest* request,
+                         hsdp::v1::GetStatusResponse* response) override;
+  grpc::Status ListWorkers(grpc::ServerContext* context,
+                           const hsdp::v1::ListWorkersRequest* request,
+                           hsdp::v1::ListWorkersResponse* response) override;
+  grpc::Status GetPolicy(grpc::ServerContext* context,
+                         const hsdp::v1::GetPolicyRequest* request,
+                         hsdp::v1::GetPolicyResponse* response) override;
+  grpc::Status SetPolicy(grpc::ServerContext* context,
+                         const hsdp::v1::SetPolicyRequest* request,
+                         hsdp::v1::SetPolicyResponse* response) override;
+  grpc::Status GetSchedule(
+      grpc::ServerContext* context,
+      const hsdp::v1::ControlServiceGetScheduleRequest* request,
+      hsdp::v1::ControlServiceGetScheduleResponse* response) override;
+  grpc::Status RequestCheckpoint(
+      grpc::ServerContext* context,
+      const hsdp::v1::RequestCheckpointRequest* request,
+      hsdp::v1::RequestCheckpointResponse* response) override;
+  grpc::Status Drain(grpc::ServerContext* context,
+                     const hsdp::v1::DrainRequest* request,
+                     hsdp::v1::DrainResponse* response) override;
+
+ private:
+  absl::Status Authenticate(const grpc::ServerContext& context) const;
+
+  const CoordinatorCore core_;
+  const std::string expected_authorization_;  // "Bearer <token>", or empty
+};
+
+}  // namespace hsdp::coordinator
+
+#endif  // HSDP_COORDINATOR_CONTROL_SERVICE_H_

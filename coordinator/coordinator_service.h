@@ -1,0 +1,116 @@
+// CoordinatorService: the worker-facing gRPC API (join, heartbeat, schedules,
+// reports and the rendezvous store) on top of the coordinator core (Membership,
+// ScheduleLog, KvStore).
+//
+// The service is a synchronous gRPC service: the core's long polls
+// (ScheduleLog::GetSchedule, KvStore::Get/Wait) are blocking calls with a
+// deadline, so a waiting call holds one server thread. Each wait is bounded by
+// the call's deadline and by kMaxLongPoll, and Shutdown() of the core
+// components releases every waiter at once (UNAVAILABLE) when the server stops.
+#ifndef HSDP_COORDINATOR_COORDINATOR_SERVICE_H_
+#define HSDP_COORDINATOR_COORDINATOR_SERVICE_H_
+
+#include <map>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "coordinator/kv_store.h"
+#include "coordinator/membership.h"
+#include "coordinator/metrics.h"
+#include "coordinator/schedule_log.h"
+#include "hsdp/v1/coordinator_service.grpc.pb.h"
+
+namespace grpc {
+class ServerContext;
+}
+
+namespace hsdp::coordinator {
+
+// A long poll never waits longer than this even when the client sets no
+// deadline, so a vanished client cannot pin a server thread forever.
+inline constexpr absl::Duration kMaxLongPoll = absl::Seconds(60);
+
+// The latest StepReport of every rank, for ListWorkers. Thread-safe.
+class ReportBook {
+ public:
+  ReportBook() = default;
+  ReportBook(const ReportBook&) = delete;
+  ReportBook& operator=(const ReportBook&) = delete;
+
+  void Record(const hsdp::v1::StepReport& report) ABSL_LOCKS_EXCLUDED(mu_);
+  // False when the rank never reported.
+  bool Latest(int rank, hsdp::v1::StepReport* report) const
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  mutable absl::Mutex mu_;
+  std::map<int, hsdp::v1::StepReport> latest_ ABSL_GUARDED_BY(mu_);
+};
+
+// The components a service works on; owned by the server, shared by both
+// services.
+struct CoordinatorCore {
+  Membership* membership = nullptr;
+  ScheduleLog* schedule_log = nullptr;
+  KvStore* kv_store = nullptr;
+  Metrics* metrics = nullptr;
+  ReportBook* reports = nullptr;
+};
+
+// Pushes the worker counts, generation and sealed step into the metrics. Called
+// after membership changes (join, sweep, finish), not per report, since it
+// walks all workers.
+void RefreshMembershipMetrics(const CoordinatorCore& core);
+
+// The deadline of a blocking call: the call's own deadline, capped at now +
+// kMaxLongPoll.
+absl::Time LongPollDeadline(const grpc::ServerContext& context);
+
+// Thread-safe: all state lives in the (thread-safe) core components.
+class CoordinatorServiceImpl final
+    : public hsdp::v1::CoordinatorService::Service {
+ public:
+  explicit CoordinatorServiceImpl(CoordinatorCore core);
+  CoordinatorServiceImpl(const CoordinatorServiceImpl&) = delete;
+  CoordinatorServiceImpl& operator=(const CoordinatorServiceImpl&) = delete;
+
+  grpc::Status Join(grpc::ServerContext* context,
+                    const hsdp::v1::JoinRequest* request,
+                    hsdp::v1::JoinResponse* response) override;
+  grpc::Status Heartbeat(grpc::ServerContext* context,
+                         const hsdp::v1::HeartbeatRequest* request,
+                         hsdp::v1::HeartbeatResponse* response) override;
+  grpc::Status GetSchedule(grpc::ServerContext* context,
+                           const hsdp::v1::GetScheduleRequest* request,
+                           hsdp::v1::GetScheduleResponse* response) override;
+  grpc::Status ReportStep(grpc::ServerContext* context,
+                          const hsdp::v1::ReportStepRequest* request,
+                          hsdp::v1::ReportStepResponse* response) override;
+  grpc::Status StoreSet(grpc::ServerContext* context,
+                        const hsdp::v1::StoreSetRequest* request,
+                        hsdp::v1::StoreSetResponse* response) override;
+  grpc::Status StoreGet(grpc::ServerContext* context,
+                        const hsdp::v1::StoreGetRequest* request,
+                        hsdp::v1::StoreGetResponse* response) override;
+  grpc::Status StoreWait(grpc::ServerContext* context,
+                         const hsdp::v1::StoreWaitRequest* request,
+                         hsdp::v1::StoreWaitResponse* response) override;
+
+  // Marks silent workers LOST (bumping the generation and dropping old
+  // rendezvous keys). The server calls it periodically.
+  void SweepHeartbeats();
+
+ private:
+  // Store calls must name the current generation: a stale worker must re-join,
+  // not read or clobber the new generation's rendezvous.
+  absl::Status CheckStoreScope(absl::string_view job_id,
+                               int64_t generation) const;
+
+  const CoordinatorCore core_;
+};
+
+}  // namespace hsdp::coordinator
+
+#endif  // HSDP_COORDINATOR_COORDINATOR_SERVICE_H_

@@ -1,0 +1,539 @@
+#include "coordinator/ctl/hsdpctl.h"
+
+#include <google/protobuf/util/json_util.h>
+#include <grpcpp/grpcpp.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <fstream>
+#include <memory>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/policy.h"
+#include "coordinator/grpc_status.h"
+#include "hsdp/v1/control_service.grpc.pb.h"
+
+namespace hsdp::ctl {
+namespace {
+
+using hsdp::v1::ControlService;
+
+constexpr char kDefaultCoordinator[] = "localhost:50051";
+constexpr double kDefaultTimeoutSeconds = 10.0;
+
+// Global options shared by every subcommand.
+struct GlobalOptions {
+  std::string coordinator = kDefaultCoordinator;
+  std::string token_file;
+  std::string tls_ca;
+  bool json = false;
+  double timeout_seconds = kDefaultTimeoutSeconds;
+};
+
+// Options of `policy set`. Optional fields stay unset unless the flag was
+// given, so only the named fields change.
+struct PolicySetOptions {
+  std::string file;
+  std::string units;
+  std::string reshard_after_forward;
+  std::string reshard_after_backward;
+  std::optional<int> forward_prefetch;
+  std::optional<int> backward_prefetch;
+  std::optional<int> microbatches;
+  std::string grad_sync;
+  std::string all_reduce;
+  std::optional<int> checkpoint_interval;
+  std::optional<int64_t> memory_budget;
+};
+
+absl::StatusOr<std::string> ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot read ", path));
+  std::ostringstream contents;
+  contents << in.rdbuf();
+  return contents.str();
+}
+
+absl::StatusOr<bool> ParseBool(const std::string& flag,
+                               const std::string& value) {
+  const std::string v = absl::AsciiStrToLower(value);
+  if (v == "true" || v == "1" || v == "yes" || v == "on") return true;
+  if (v == "false" || v == "0" || v == "no" || v == "off") return false;
+  return absl::InvalidArgumentError(
+      absl::StrCat(flag, ": '", value, "' is not a boolean"));
+}
+
+// Talks to one coordinator; every call carries the deadline and, when
+// configured, the token.
+class ControlClient {
+ public:
+  static absl::StatusOr<ControlClient> Connect(const GlobalOptions& options) {
+    std::shared_ptr<grpc::ChannelCredentials> creds;
+    if (options.tls_ca.empty()) {
+      creds = grpc::InsecureChannelCredentials();
+    } else {
+      absl::StatusOr<std::string> ca = ReadFile(options.tls_ca);
+      if (!ca.ok()) return ca.status();
+      grpc::SslCredentialsOptions ssl;
+      ssl.pem_root_certs = *ca;
+      creds = grpc::SslCredentials(ssl);
+    }
+    std::string token;
+    if (!options.token_file.empty()) {
+      absl::StatusOr<std::string> contents = ReadFile(options.token_file);
+      if (!contents.ok()) return contents.status();
+      token = std::string(absl::StripAsciiWhitespace(*contents));
+    }
+    return ControlClient(ControlService::NewStub(
+                             grpc::CreateChannel(options.coordinator, creds)),
+                         std::move(token), options.timeout_seconds);
+  }
+
+  // Calls one unary method: `client.Call(&ControlService::Stub::GetStatus,
+  // request, &response)`.
+  template <typename Method, typename Request, typename Response>
+  absl::Status Call(Method method, const Request& request, Response* response) {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() +
+                         std::chrono::milliseconds(
+                             static_cast<int64_t>(timeout_seconds_ * 1000)));
+    if (!token_.empty())
+      context.AddMetadata("authorization", absl::StrCat("Bearer ", token_));
+    return hsdp::coordinator::FromGrpcStatus(
+        ((*stub_).*method)(&context, request, response));
+  }
+
+ private:
+  ControlClient(std::unique_ptr<ControlService::Stub> stub, std::string token,
+                double timeout)
+      : stub_(std::move(stub)),
+        token_(std::move(token)),
+        timeout_seconds_(timeout) {}
+
+  std::unique_ptr<ControlService::Stub> stub_;
+  std::string token_;
+  double timeout_seconds_;
+};
+
+std::string ToJson(const google::protobuf::Message& message) {
+  google::protobuf::util::JsonPrintOptions options;
+  options.preserve_proto_field_names = true;
+  options.always_print_primitive_fields = true;
+  options.always_print_enums_as_ints = false;
+  std::string json;
+  // Printing a well-formed message cannot fail.
+  (void)google::protobuf::util::MessageToJsonString(message, &json, options);
+  return json;
+}
+
+// Strips an enum value's type prefix for tables: JOB_STATE_RUNNING -> RUNNING.
+std::string ShortEnum(const std::string& name, const std::string& prefix) {
+  return name.rfind(prefix, 0) == 0 ? name.substr(prefix.size()) : name;
+}
+
+std::string StepOrNone(int64_t step) {
+  return step < 0 ? "none" : std::to_string(step);
+}
+
+// Left-aligned columns separated by two spaces; a header row and one row per
+// entry.
+class Table {
+ public:
+  explicit Table(std::vector<std::string> header) {
+    rows_.push_back(std::move(header));
+  }
+  void Add(std::vector<std::string> row) { rows_.push_back(std::move(row)); }
+  void Print(std::ostream& out) const {
+    std::vector<size_t> widths;
+    for (const auto& row : rows_) {
+      widths.resize(std::max(widths.size(), row.size()));
+      for (size_t i = 0; i < row.size(); ++i)
+        widths[i] = std::max(widths[i], row[i].size());
+    }
+    for (const auto& row : rows_) {
+      std::string line;
+      for (size_t i = 0; i < row.size(); ++i) {
+        line += row[i];
+        if (i + 1 < row.size())
+          line += std::string(widths[i] - row[i].size() + 2, ' ');
+      }
+      out << line << "\n";
+    }
+  }
+
+ private:
+  std::vector<std::vector<std::string>> rows_;
+};
+
+std::string FormatBytes(int64_t bytes) {
+  constexpr double kMiB = 1024.0 * 1024.0;
+  if (bytes <= 0) return "-";
+  std::ostringstream s;
+  s.precision(1);
+  s << std::fixed << static_cast<double>(bytes) / kMiB << "MiB";
+  return s.str();
+}
+
+std::string FormatDouble(double value, int precision) {
+  std::ostringstream s;
+  s.precision(precision);
+  s << std::fixed << value;
+  return s.str();
+}
+
+absl::Status Status(ControlClient& client, const GlobalOptions& g,
+                    std::ostream& out) {
+  hsdp::v1::GetStatusResponse r;
+  absl::Status s = client.Call(&ControlService::Stub::GetStatus,
+                               hsdp::v1::GetStatusRequest(), &r);
+  if (!s.ok()) return s;
+  if (g.json) {
+    out << ToJson(r) << "\n";
+    return absl::OkStatus();
+  }
+  Table t({"FIELD", "VALUE"});
+  t.Add({"job", r.job_id()});
+  t.Add({"state", ShortEnum(hsdp::v1::JobState_Name(r.state()), "JOB_STATE_")});
+  t.Add({"world", absl::StrCat(r.world_size(), " (mesh ", r.mesh().replicate(),
+                               "x", r.mesh().shard(), ")")});
+  t.Add(
+      {"workers alive", absl::StrCat(r.workers_alive(), "/", r.world_size())});
+  t.Add({"generation", std::to_string(r.generation())});
+  t.Add({"sealed step", StepOrNone(r.sealed_step())});
+  t.Add({"policy version", std::to_string(r.policy_version())});
+  t.Add({"last checkpoint", StepOrNone(r.last_checkpoint_step())});
+  t.Add({"drain step", StepOrNone(r.drain_step())});
+  t.Add({"model", r.model().empty() ? "-" : r.model()});
+  t.Add({"units", std::to_string(r.unit_count())});
+  t.Print(out);
+  return absl::OkStatus();
+}
+
+absl::Status Workers(ControlClient& client, const GlobalOptions& g,
+                     std::ostream& out) {
+  hsdp::v1::ListWorkersResponse r;
+  absl::Status s = client.Call(&ControlService::Stub::ListWorkers,
+                               hsdp::v1::ListWorkersRequest(), &r);
+  if (!s.ok()) return s;
+  if (g.json) {
+    out << ToJson(r) << "\n";
+    return absl::OkStatus();
+  }
+  Table t({"RANK", "STATE", "HOST", "DEVICE", "REPLICA", "SHARD", "HEARTBEAT",
+           "STEP", "LOSS", "STEP_S", "PEAK_MEM"});
+  for (const auto& w : r.workers()) {
+    const bool reported = w.has_last_report();
+    const auto& rep = w.last_report();
+    t.Add({std::to_string(w.rank()),
+           ShortEnum(hsdp::v1::WorkerState_Name(w.state()), "WORKER_STATE_"),
+           w.hostname().empty() ? "-" : w.hostname(),
+           w.device().empty() ? "-" : w.device(),
+           std::to_string(w.replicate_index()), std::to_string(w.shard_index()),
+           absl::StrCat(w.heartbeat_age_ms(), "ms"),
+           reported ? std::to_string(rep.step()) : "-",
+           reported ? FormatDouble(rep.loss(), 4) : "-",
+           reported ? FormatDouble(rep.step_seconds(), 3) : "-",
+           reported ? FormatBytes(rep.peak_memory_bytes()) : "-"});
+  }
+  t.Print(out);
+  return absl::OkStatus();
+}
+
+absl::Status PolicyGet(ControlClient& client, const GlobalOptions& g,
+                       std::ostream& out) {
+  hsdp::v1::GetPolicyResponse r;
+  absl::Status s = client.Call(&ControlService::Stub::GetPolicy,
+                               hsdp::v1::GetPolicyRequest(), &r);
+  if (!s.ok()) return s;
+  if (g.json) {
+    out << ToJson(r) << "\n";
+    return absl::OkStatus();
+  }
+  out << "policy version " << r.policy_version() << ", effective from step "
+      << r.effective_step() << "\n"
+      << hsdp::DescribePolicy(r.policy());
+  return absl::OkStatus();
+}
+
+absl::Status ApplyPolicyFlags(const PolicySetOptions& o,
+                              hsdp::v1::Policy* policy) {
+  std::optional<bool> raf, rab;
+  if (!o.reshard_after_forward.empty()) {
+    absl::StatusOr<bool> v =
+        ParseBool("--reshard-after-forward", o.reshard_after_forward);
+    if (!v.ok()) return v.status();
+    raf = *v;
+  }
+  if (!o.reshard_after_backward.empty()) {
+    absl::StatusOr<bool> v =
+        ParseBool("--reshard-after-backward", o.reshard_after_backward);
+    if (!v.ok()) return v.status();
+    rab = *v;
+  }
+  if (!o.units.empty()) {
+    if (!raf && !rab) {
+      return absl::InvalidArgumentError(
+          "--units needs --reshard-after-forward and/or "
+          "--reshard-after-backward");
+    }
+    hsdp::v1::UnitOverride* override_ = policy->add_overrides();
+    override_->set_unit_glob(o.units);
+    if (raf) override_->set_reshard_after_forward(*raf);
+    if (rab) override_->set_reshard_after_backward(*rab);
+  } else {
+    if (raf) policy->set_reshard_after_forward(*raf);
+    if (rab) policy->set_reshard_after_backward(*rab);
+  }
+  if (o.forward_prefetch)
+    policy->set_forward_prefetch_depth(*o.forward_prefetch);
+  if (o.backward_prefetch)
+    policy->set_backward_prefetch_depth(*o.backward_prefetch);
+  if (o.microbatches) policy->set_microbatches(*o.microbatches);
+  if (o.checkpoint_interval)
+    policy->set_checkpoint_interval(*o.checkpoint_interval);
+  if (o.memory_budget) policy->set_memory_budget_bytes(*o.memory_budget);
+  if (!o.grad_sync.empty()) {
+    if (o.grad_sync == "last") {
+      policy->set_grad_sync(hsdp::v1::GRAD_SYNC_MODE_LAST_MICROBATCH);
+    } else if (o.grad_sync == "every") {
+      policy->set_grad_sync(hsdp::v1::GRAD_SYNC_MODE_EVERY_MICROBATCH);
+    } else {
+      return absl::InvalidArgumentError(
+          "--grad-sync must be 'last' or 'every'");
+    }
+  }
+  if (!o.all_reduce.empty()) {
+    if (o.all_reduce == "last") {
+      policy->set_all_reduce(hsdp::v1::ALL_REDUCE_MODE_LAST_MICROBATCH);
+    } else if (o.all_reduce == "every") {
+      policy->set_all_reduce(hsdp::v1::ALL_REDUCE_MODE_EVERY_MICROBATCH);
+    } else {
+      return absl::InvalidArgumentError(
+          "--all-reduce must be 'last' or 'every'");
+    }
+  }
+  return absl::OkStatus();
+}
+
+// The new policy is the file's (when --file is given) or else the coordinator's
+// current one, with the flags applied on top: `policy set --forward-prefetch 2`
+// changes just that field.
+absl::Status PolicySet(ControlClient& client, const GlobalOptions& g,
+                       const PolicySetOptions& o, std::ostream& out) {
+  hsdp::v1::SetPolicyRequest request;
+  if (!o.file.empty()) {
+    absl::StatusOr<hsdp::v1::Policy> policy = hsdp::ReadPolicyFile(o.file);
+    if (!policy.ok()) return policy.status();
+    *request.mutable_policy() = *std::move(policy);
+  } else {
+    hsdp::v1::GetPolicyResponse current;
+    absl::Status s = client.Call(&ControlService::Stub::GetPolicy,
+                                 hsdp::v1::GetPolicyRequest(), &current);
+    if (!s.ok()) return s;
+    *request.mutable_policy() = current.policy();
+  }
+  absl::Status s = ApplyPolicyFlags(o, request.mutable_policy());
+  if (!s.ok()) return s;
+  hsdp::v1::SetPolicyResponse r;
+  s = client.Call(&ControlService::Stub::SetPolicy, request, &r);
+  if (!s.ok()) return s;
+  if (g.json) {
+    out << ToJson(r) << "\n";
+  } else {
+    out << "policy version " << r.policy_version() << " applies from step "
+        << r.effective_step() << "\n";
+  }
+  return absl::OkStatus();
+}
+
+std::string JoinInts(const google::protobuf::RepeatedField<int32_t>& values) {
+  return values.empty() ? "-" : absl::StrJoin(values, ",");
+}
+
+absl::Status Schedule(ControlClient& client, const GlobalOptions& g,
+                      int64_t step, std::ostream& out) {
+  hsdp::v1::ControlServiceGetScheduleRequest request;
+  request.set_step(step);
+  hsdp::v1::ControlServiceGetScheduleResponse r;
+  absl::Status s = client.Call(&ControlService::Stub::GetSchedule, request, &r);
+  if (!s.ok()) return s;
+  if (g.json) {
+    out << ToJson(r) << "\n";
+    return absl::OkStatus();
+  }
+  const auto& sched = r.schedule();
+  out << "step " << sched.step() << "  policy version "
+      << sched.policy_version() << "  generation " << sched.generation()
+      << "  checkpoint " << (sched.checkpoint() ? "yes" : "no") << "\n";
+  Table mb({"MICROBATCH", "GRAD_SYNC", "ALL_REDUCE", "LAST_BACKWARD"});
+  for (int i = 0; i < sched.microbatches_size(); ++i) {
+    const auto& m = sched.microbatches(i);
+    mb.Add({std::to_string(i), m.requires_grad_sync() ? "yes" : "no",
+            m.requires_all_reduce() ? "yes" : "no",
+            m.is_last_backward() ? "yes" : "no"});
+  }
+  mb.Print(out);
+  out << "\n";
+  Table units({"UNIT", "NAME", "RESHARD_FWD", "RESHARD_BWD", "FWD_PREFETCH",
+               "BWD_PREFETCH"});
+  for (const auto& u : sched.units()) {
+    units.Add({std::to_string(u.unit_index()), u.unit_name(),
+               u.reshard_after_forward() ? "yes" : "no",
+               u.reshard_after_backward() ? "yes" : "no",
+               JoinInts(u.forward_prefetch()),
+               JoinInts(u.backward_prefetch())});
+  }
+  units.Print(out);
+  return absl::OkStatus();
+}
+
+absl::Status Checkpoint(ControlClient& client, const GlobalOptions& g,
+                        std::ostream& out) {
+  hsdp::v1::RequestCheckpointResponse r;
+  absl::Status s = client.Call(&ControlService::Stub::RequestCheckpoint,
+                               hsdp::v1::RequestCheckpointRequest(), &r);
+  if (!s.ok()) return s;
+  if (g.json) {
+    out << ToJson(r) << "\n";
+  } else {
+    out << "checkpoint scheduled after step " << r.step() << "\n";
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Drain(ControlClient& client, const GlobalOptions& g,
+                   std::ostream& out) {
+  hsdp::v1::DrainResponse r;
+  absl::Status s =
+      client.Call(&ControlService::Stub::Drain, hsdp::v1::DrainRequest(), &r);
+  if (!s.ok()) return s;
+  if (g.json) {
+    out << ToJson(r) << "\n";
+  } else {
+    out << "draining: last step " << r.last_step() << "\n";
+  }
+  return absl::OkStatus();
+}
+
+// One line, whatever CLI11 or the server put in the message.
+std::string OneLine(std::string text) {
+  std::replace(text.begin(), text.end(), '\n', ' ');
+  return std::string(absl::StripAsciiWhitespace(text));
+}
+
+}  // namespace
+
+int RunHsdpctl(int argc, char** argv, std::ostream& out, std::ostream& err) {
+  CLI::App app{"hsdpctl: inspect and steer a running hsdp coordinator",
+               "hsdpctl"};
+  app.fallthrough();
+  app.require_subcommand(1);
+  GlobalOptions g;
+  app.add_option("--coordinator", g.coordinator,
+                 "Coordinator address HOST:PORT")
+      ->envname("HSDP_COORDINATOR");
+  app.add_option("--token-file", g.token_file,
+                 "File holding the control bearer token")
+      ->envname("HSDP_CONTROL_TOKEN_FILE");
+  app.add_option("--tls-ca", g.tls_ca, "PEM root certificate: use TLS");
+  app.add_option("--timeout", g.timeout_seconds, "RPC deadline in seconds");
+  app.add_flag("--json", g.json, "Print JSON instead of tables");
+
+  CLI::App* status =
+      app.add_subcommand("status", "Job state, generation, sealed step");
+  CLI::App* workers =
+      app.add_subcommand("workers", "Workers and their latest reports");
+  CLI::App* policy =
+      app.add_subcommand("policy", "Get or set the sharding policy");
+  policy->require_subcommand(1);
+  CLI::App* policy_get =
+      policy->add_subcommand("get", "Print the current policy");
+  CLI::App* policy_set = policy->add_subcommand(
+      "set",
+      "Set the policy from a file and/or flags (flags apply on top of it)");
+  PolicySetOptions ps;
+  policy_set->add_option("--file", ps.file,
+                         "Policy file (JSON or text format)");
+  policy_set->add_option("--units", ps.units,
+                         "Glob: the reshard flags become an override");
+  policy_set->add_option("--reshard-after-forward", ps.reshard_after_forward,
+                         "BOOL");
+  policy_set->add_option("--reshard-after-backward", ps.reshard_after_backward,
+                         "BOOL");
+  policy_set->add_option("--forward-prefetch", ps.forward_prefetch,
+                         "Forward prefetch depth");
+  policy_set->add_option("--backward-prefetch", ps.backward_prefetch,
+                         "Backward prefetch depth");
+  policy_set->add_option("--microbatches", ps.microbatches,
+                         "Gradient-accumulation microbatches");
+  policy_set->add_option("--grad-sync", ps.grad_sync, "last|every");
+  policy_set->add_option("--all-reduce", ps.all_reduce, "last|every");
+  policy_set->add_option("--checkpoint-interval", ps.checkpoint_interval,
+                         "Steps (0: never)");
+  policy_set->add_option("--memory-budget", ps.memory_budget,
+                         "Bytes per rank (0: manual mode)");
+  CLI::App* schedule =
+      app.add_subcommand("schedule", "Print a sealed step's schedule");
+  int64_t step = -1;
+  schedule->add_option("--step", step, "Step")->required();
+  CLI::App* checkpoint =
+      app.add_subcommand("checkpoint", "Checkpoint at the next unsealed step");
+  CLI::App* drain =
+      app.add_subcommand("drain", "Stop the job after the next unsealed step");
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e, out, err);
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e, out, err);
+  } catch (const CLI::ParseError& e) {
+    err << "hsdpctl: " << OneLine(e.what()) << "\n";
+    return kExitUsage;
+  }
+
+  std::string command;
+  for (CLI::App* sub : app.get_subcommands()) {
+    command = sub->get_name();
+    for (CLI::App* subsub : sub->get_subcommands())
+      command += " " + subsub->get_name();
+  }
+  absl::StatusOr<ControlClient> client = ControlClient::Connect(g);
+  absl::Status result;
+  if (!client.ok()) {
+    result = client.status();
+  } else if (status->parsed()) {
+    result = Status(*client, g, out);
+  } else if (workers->parsed()) {
+    result = Workers(*client, g, out);
+  } else if (policy_get->parsed()) {
+    result = PolicyGet(*client, g, out);
+  } else if (policy_set->parsed()) {
+    result = PolicySet(*client, g, ps, out);
+  } else if (schedule->parsed()) {
+    result = Schedule(*client, g, step, out);
+  } else if (checkpoint->parsed()) {
+    result = Checkpoint(*client, g, out);
+  } else if (drain->parsed()) {
+    result = Drain(*client, g, out);
+  }
+  if (!result.ok()) {
+    err << "hsdpctl: " << command << ": "
+        << absl::StatusCodeToString(result.code()) << ": "
+        << OneLine(std::string(result.message())) << "\n";
+    return kExitRpcError;
+  }
+  return kExitOk;
+}
+
+}  // namespace hsdp::ctl

@@ -1,0 +1,233 @@
+// hsdp-coordinator: serves one job's control plane. Flags (with env fallbacks)
+// as in the team contract; --job-file reads the same settings from a file of
+// `name = value` lines (the flag names without dashes, e.g. `world-size = 4`);
+// command-line flags win over the file, the file over the environment.
+#include <signal.h>
+
+#include <CLI/CLI.hpp>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
+#include "common/mesh.h"
+#include "common/policy.h"
+#include "common/status_util.h"
+#include "coordinator/server.h"
+#include "coordinator/state_store.h"
+
+namespace {
+
+using hsdp::coordinator::CoordinatorServer;
+using hsdp::coordinator::JobConfig;
+using hsdp::coordinator::ServerOptions;
+
+constexpr int kExitError = 1;
+constexpr int kExitUsage = 2;
+
+struct Flags {
+  std::string job_id;
+  int world_size = 0;
+  std::string mesh;
+  std::string policy_file;
+  std::string listen = "0.0.0.0:50051";
+  std::string port_file;
+  std::string state_dir;
+  std::string metrics_listen = "0.0.0.0:9090";
+  double heartbeat_timeout_s = 10;
+  int read_ahead = hsdp::coordinator::kDefaultReadAhead;
+  std::string tls_cert;
+  std::string tls_key;
+  std::string control_token_file;
+  double shutdown_deadline_s = 10;
+  std::string validate_policy;
+};
+
+absl::StatusOr<std::string> ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot read ", path));
+  std::ostringstream contents;
+  contents << in.rdbuf();
+  return contents.str();
+}
+
+// --validate-policy: parse and check a policy file without a model (globs are
+// checked for matching units once workers join), print its effective values.
+int ValidatePolicyFile(const std::string& path) {
+  absl::StatusOr<hsdp::v1::Policy> policy = hsdp::ReadPolicyFile(path);
+  absl::Status status =
+      policy.ok() ? hsdp::ValidatePolicy(*policy, {}) : policy.status();
+  if (!status.ok()) {
+    std::cerr << "hsdp-coordinator: " << path << ": " << status.message()
+              << "\n";
+    return kExitError;
+  }
+  std::cout << hsdp::DescribePolicy(*policy);
+  return 0;
+}
+
+absl::StatusOr<JobConfig> BuildJobConfig(const Flags& f) {
+  JobConfig job;
+  job.job_id = f.job_id;
+  if (job.job_id.empty())
+    return absl::InvalidArgumentError("--job-id is required");
+  if (f.world_size < 1)
+    return absl::InvalidArgumentError("--world-size must be >= 1");
+  job.world_size = f.world_size;
+  HSDP_ASSIGN_OR_RETURN(job.mesh,
+                        hsdp::ParseMeshForWorld(f.mesh, f.world_size));
+  if (!f.policy_file.empty()) {
+    HSDP_ASSIGN_OR_RETURN(job.policy, hsdp::ReadPolicyFile(f.policy_file));
+    HSDP_RETURN_IF_ERROR(hsdp::AnnotateStatus(
+        hsdp::ValidatePolicy(job.policy, {}), f.policy_file));
+  }
+  job.state_dir = f.state_dir;
+  if (f.heartbeat_timeout_s <= 0) {
+    return absl::InvalidArgumentError("--heartbeat-timeout must be > 0");
+  }
+  job.heartbeat_timeout = absl::Seconds(f.heartbeat_timeout_s);
+  if (f.read_ahead < 0)
+    return absl::InvalidArgumentError("--read-ahead must be >= 0");
+  job.read_ahead = f.read_ahead;
+  return job;
+}
+
+absl::StatusOr<ServerOptions> BuildServerOptions(const Flags& f) {
+  ServerOptions options;
+  options.listen = f.listen;
+  options.metrics_listen = f.metrics_listen;
+  if (f.tls_cert.empty() != f.tls_key.empty()) {
+    return absl::InvalidArgumentError("--tls-cert and --tls-key go together");
+  }
+  if (!f.tls_cert.empty()) {
+    HSDP_ASSIGN_OR_RETURN(options.tls_cert_pem, ReadFile(f.tls_cert));
+    HSDP_ASSIGN_OR_RETURN(options.tls_key_pem, ReadFile(f.tls_key));
+  }
+  if (!f.control_token_file.empty()) {
+    HSDP_ASSIGN_OR_RETURN(std::string token, ReadFile(f.control_token_file));
+    options.control_token = std::string(absl::StripAsciiWhitespace(token));
+    if (options.control_token.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "control token file ", f.control_token_file, " is empty"));
+    }
+  }
+  if (f.shutdown_deadline_s < 0) {
+    return absl::InvalidArgumentError("--shutdown-deadline must be >= 0");
+  }
+  options.shutdown_deadline = absl::Seconds(f.shutdown_deadline_s);
+  return options;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"hsdp-coordinator: the control plane of one hsdp training job",
+               "hsdp-coordinator"};
+  Flags f;
+  app.set_config("--job-file", "",
+                 "File of `name = value` lines setting the flags below");
+  app.add_option("--job-id", f.job_id, "Job id")->envname("HSDP_JOB_ID");
+  app.add_option("--world-size", f.world_size, "Number of ranks")
+      ->envname("HSDP_WORLD_SIZE");
+  app.add_option("--mesh", f.mesh, "Mesh RxS (default 1xWORLD)")
+      ->envname("HSDP_MESH");
+  app.add_option("--policy-file", f.policy_file,
+                 "Initial policy (JSON or text format)")
+      ->envname("HSDP_POLICY_FILE");
+  app.add_option("--listen", f.listen, "gRPC HOST:PORT (port 0: ephemeral)")
+      ->envname("HSDP_LISTEN");
+  app.add_option("--port-file", f.port_file,
+                 "Write the bound port to this file");
+  app.add_option("--state-dir", f.state_dir,
+                 "Persist state here (survives restarts)")
+      ->envname("HSDP_STATE_DIR");
+  app.add_option("--metrics-listen", f.metrics_listen,
+                 "Prometheus HOST:PORT (\"\": off)")
+      ->envname("HSDP_METRICS_LISTEN");
+  app.add_option("--heartbeat-timeout", f.heartbeat_timeout_s,
+                 "Seconds before a worker is lost")
+      ->envname("HSDP_HEARTBEAT_TIMEOUT");
+  app.add_option("--read-ahead", f.read_ahead, "Steps workers may read ahead");
+  app.add_option("--tls-cert", f.tls_cert, "PEM certificate (TLS)")
+      ->envname("HSDP_TLS_CERT");
+  app.add_option("--tls-key", f.tls_key, "PEM private key (TLS)")
+      ->envname("HSDP_TLS_KEY");
+  app.add_option("--control-token-file", f.control_token_file,
+                 "Require this bearer token on ControlService calls")
+      ->envname("HSDP_CONTROL_TOKEN_FILE");
+  app.add_option("--shutdown-deadline", f.shutdown_deadline_s,
+                 "Seconds in-flight calls get on SIGTERM");
+  app.add_option(
+      "--validate-policy", f.validate_policy,
+      "Validate a policy file, print it and exit (0 valid, 1 invalid)");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    std::string what = e.what();
+    for (char& c : what) {
+      if (c == '\n') c = ' ';
+    }
+    std::cerr << "hsdp-coordinator: " << what << "\n";
+    return kExitUsage;
+  }
+  if (!f.validate_policy.empty()) return ValidatePolicyFile(f.validate_policy);
+
+  absl::StatusOr<JobConfig> job = BuildJobConfig(f);
+  if (!job.ok()) {
+    std::cerr << "hsdp-coordinator: " << job.status().message() << "\n";
+    return kExitUsage;
+  }
+  absl::StatusOr<ServerOptions> options = BuildServerOptions(f);
+  if (!options.ok()) {
+    std::cerr << "hsdp-coordinator: " << options.status().message() << "\n";
+    return kExitUsage;
+  }
+
+  // Block the stop signals before any thread exists, so every thread inherits
+  // the mask and only the sigwait below receives them.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGTERM);
+  sigaddset(&stop_signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+
+  absl::StatusOr<std::unique_ptr<CoordinatorServer>> server =
+      CoordinatorServer::Start(*job, *options);
+  if (!server.ok()) {
+    std::cerr << "hsdp-coordinator: " << server.status() << "\n";
+    return kExitError;
+  }
+  if (!f.port_file.empty()) {
+    absl::Status written = hsdp::coordinator::WriteFileAtomically(
+        f.port_file, absl::StrCat((*server)->port(), "\n"), /*sync=*/false);
+    if (!written.ok()) {
+      std::cerr << "hsdp-coordinator: --port-file: " << written << "\n";
+      return kExitError;
+    }
+  }
+  std::cerr << "hsdp-coordinator: job " << job->job_id << ", world "
+            << job->world_size << ", mesh " << hsdp::MeshToString(job->mesh)
+            << ", policy version "
+            << (*server)->schedule_log().CurrentPolicy().version
+            << ", sealed step " << (*server)->schedule_log().sealed_step();
+  if ((*server)->metrics_port() != 0) {
+    std::cerr << ", metrics on port " << (*server)->metrics_port();
+  }
+  std::cerr << "\n";
+  std::cout << "listening on " << (*server)->address() << std::endl;
+
+  int sig = 0;
+  sigwait(&stop_signals, &sig);
+  std::cerr << "hsdp-coordinator: " << (sig == SIGTERM ? "SIGTERM" : "SIGINT")
+            << ": shutting down\n";
+  (*server)->Shutdown();
+  return 0;
+}

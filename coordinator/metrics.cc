@@ -1,0 +1,158 @@
+#include "coordinator/metrics.h"
+
+#include <prometheus/counter.h>
+#include <prometheus/exposer.h>
+#include <prometheus/family.h>
+#include <prometheus/gauge.h>
+#include <prometheus/histogram.h>
+#include <prometheus/registry.h>
+#include <prometheus/text_serializer.h>
+
+#include <exception>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+
+namespace hsdp::coordinator {
+namespace {
+
+// Schedule latency buckets in seconds: 50 us .. 1 s, the range a loopback/DC
+// read spans; long polls that waited for the read-ahead window land in the top
+// buckets.
+const prometheus::Histogram::BucketBoundaries& LatencyBuckets() {
+  static const auto* buckets = new prometheus::Histogram::BucketBoundaries{
+      50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3,
+      5e-3,  10e-3,  25e-3,  100e-3, 1.0};
+  return *buckets;
+}
+
+prometheus::Gauge* WorkerGauge(prometheus::Family<prometheus::Gauge>& family,
+                               const std::string& state) {
+  return &family.Add({{"state", state}});
+}
+
+}  // namespace
+
+Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
+  auto& workers = prometheus::BuildGauge()
+                      .Name("hsdp_workers")
+                      .Help("Workers of the job by state")
+                      .Register(*registry_);
+  workers_alive_ = WorkerGauge(workers, "alive");
+  workers_lost_ = WorkerGauge(workers, "lost");
+  workers_finished_ = WorkerGauge(workers, "finished");
+  generation_ = &prometheus::BuildGauge()
+                     .Name("hsdp_generation")
+                     .Help("Membership generation")
+                     .Register(*registry_)
+                     .Add({});
+  sealed_step_ = &prometheus::BuildGauge()
+                      .Name("hsdp_sealed_step")
+                      .Help("Highest sealed step (-1: none)")
+                      .Register(*registry_)
+                      .Add({});
+  sealed_step_->Set(-1);
+  policy_version_ = &prometheus::BuildGauge()
+                         .Name("hsdp_policy_version")
+                         .Help("Version of the current policy")
+                         .Register(*registry_)
+                         .Add({});
+  schedule_latency_ =
+      &prometheus::BuildHistogram()
+           .Name("hsdp_get_schedule_seconds")
+           .Help("Server-side latency of CoordinatorService.GetSchedule")
+           .Register(*registry_)
+           .Add({}, LatencyBuckets());
+  step_seconds_family_ = &prometheus::BuildGauge()
+                              .Name("hsdp_rank_step_seconds")
+                              .Help("Step time of the rank's latest report")
+                              .Register(*registry_);
+  loss_family_ = &prometheus::BuildGauge()
+                      .Name("hsdp_rank_loss")
+                      .Help("Loss of the rank's latest report")
+                      .Register(*registry_);
+  peak_memory_family_ = &prometheus::BuildGauge()
+                             .Name("hsdp_rank_peak_memory_bytes")
+                             .Help("Peak memory of the rank's latest report")
+                             .Register(*registry_);
+  last_step_family_ = &prometheus::BuildGauge()
+                           .Name("hsdp_rank_reported_step")
+                           .Help("Step of the rank's latest report")
+                           .Register(*registry_);
+}
+
+Metrics::~Metrics() = default;
+
+absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(
+    const std::string& listen) {
+  std::unique_ptr<Metrics> metrics(new Metrics());
+  if (listen.empty()) return metrics;
+  try {
+    // One serving thread is plenty for a scrape every few seconds.
+    metrics->exposer_ =
+        std::make_unique<prometheus::Exposer>(listen, /*num_threads=*/1);
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(
+        absl::StrCat("metrics: cannot listen on ", listen, ": ", e.what()));
+  }
+  metrics->exposer_->RegisterCollectable(metrics->registry_);
+  const std::vector<int> ports = metrics->exposer_->GetListeningPorts();
+  if (!ports.empty()) metrics->port_ = ports.front();
+  return metrics;
+}
+
+void Metrics::SetWorkerCounts(int alive, int lost, int finished) {
+  workers_alive_->Set(alive);
+  workers_lost_->Set(lost);
+  workers_finished_->Set(finished);
+}
+
+void Metrics::SetGeneration(int64_t generation) {
+  generation_->Set(static_cast<double>(generation));
+}
+
+void Metrics::SetSealedStep(int64_t step) {
+  sealed_step_->Set(static_cast<double>(step));
+}
+
+void Metrics::SetPolicyVersion(int64_t version) {
+  policy_version_->Set(static_cast<double>(version));
+}
+
+void Metrics::ObserveScheduleLatency(double seconds) {
+  schedule_latency_->Observe(seconds);
+}
+
+void Metrics::RecordReport(const hsdp::v1::StepReport& report) {
+  if (report.rank() < 0) return;
+  // Copy the gauge pointers out under the lock: ranks_ may be resized by
+  // another report, but the gauges themselves live as long as the registry and
+  // are atomic.
+  RankGauges gauges;
+  {
+    absl::MutexLock lock(&mu_);
+    const size_t rank = static_cast<size_t>(report.rank());
+    if (ranks_.size() <= rank) ranks_.resize(rank + 1);
+    RankGauges& slot = ranks_[rank];
+    if (slot.loss == nullptr) {
+      const prometheus::Labels labels{{"rank", std::to_string(rank)}};
+      slot.step_seconds = &step_seconds_family_->Add(labels);
+      slot.loss = &loss_family_->Add(labels);
+      slot.peak_memory = &peak_memory_family_->Add(labels);
+      slot.last_step = &last_step_family_->Add(labels);
+    }
+    gauges = slot;
+  }
+  gauges.step_seconds->Set(report.step_seconds());
+  gauges.loss->Set(report.loss());
+  gauges.peak_memory->Set(static_cast<double>(report.peak_memory_bytes()));
+  gauges.last_step->Set(static_cast<double>(report.step()));
+}
+
+std::string Metrics::Serialize() const {
+  prometheus::TextSerializer serializer;
+  return serializer.Serialize(registry_->Collect());
+}
+
+}  // namespace hsdp::coordinator

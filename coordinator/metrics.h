@@ -1,0 +1,85 @@
+// Prometheus metrics of the coordinator, served by prometheus-cpp on their own
+// port so a scrape never competes with the gRPC port.
+#ifndef HSDP_COORDINATOR_METRICS_H_
+#define HSDP_COORDINATOR_METRICS_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "hsdp/v1/common.pb.h"
+
+namespace prometheus {
+class Exposer;
+class Registry;
+class Gauge;
+class Histogram;
+template <typename T>
+class Family;
+}  // namespace prometheus
+
+namespace hsdp::coordinator {
+
+// Thread-safe: every method may be called from any gRPC handler thread.
+// prometheus-cpp metrics are internally atomic; the per-rank gauge cache is
+// guarded by mu_.
+class Metrics {
+ public:
+  // listen "" keeps the registry (for tests and Serialize()) but serves
+  // nothing.
+  static absl::StatusOr<std::unique_ptr<Metrics>> Create(
+      const std::string& listen);
+  ~Metrics();
+  Metrics(const Metrics&) = delete;
+  Metrics& operator=(const Metrics&) = delete;
+
+  // Port the exposer bound (useful with port 0), or 0 when not serving.
+  int port() const { return port_; }
+
+  void SetWorkerCounts(int alive, int lost, int finished);
+  void SetGeneration(int64_t generation);
+  void SetSealedStep(int64_t step);
+  void SetPolicyVersion(int64_t version);
+  void ObserveScheduleLatency(double seconds);
+  void RecordReport(const hsdp::v1::StepReport& report)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Text exposition format, as a scrape would return it.
+  std::string Serialize() const;
+
+ private:
+  struct RankGauges {
+    prometheus::Gauge* step_seconds = nullptr;
+    prometheus::Gauge* loss = nullptr;
+    prometheus::Gauge* peak_memory = nullptr;
+    prometheus::Gauge* last_step = nullptr;
+  };
+
+  Metrics();
+
+  std::shared_ptr<prometheus::Registry> registry_;
+  std::unique_ptr<prometheus::Exposer> exposer_;
+  int port_ = 0;
+
+  prometheus::Gauge* workers_alive_;
+  prometheus::Gauge* workers_lost_;
+  prometheus::Gauge* workers_finished_;
+  prometheus::Gauge* generation_;
+  prometheus::Gauge* sealed_step_;
+  prometheus::Gauge* policy_version_;
+  prometheus::Histogram* schedule_latency_;
+  prometheus::Family<prometheus::Gauge>* step_seconds_family_;
+  prometheus::Family<prometheus::Gauge>* loss_family_;
+  prometheus::Family<prometheus::Gauge>* peak_memory_family_;
+  prometheus::Family<prometheus::Gauge>* last_step_family_;
+
+  mutable absl::Mutex mu_;
+  std::vector<RankGauges> ranks_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace hsdp::coordinator
+
+#endif  // HSDP_COORDINATOR_METRICS_H_

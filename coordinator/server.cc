@@ -1,0 +1,186 @@
+#include "coordinator/server.h"
+
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/security/server_credentials.h>
+
+#include <algorithm>
+#include <chrono>
+#include <iostream>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "common/policy.h"
+#include "common/status_util.h"
+#include "coordinator/control_service.h"
+#include "coordinator/coordinator_service.h"
+#include "coordinator/kv_store.h"
+#include "coordinator/membership.h"
+#include "coordinator/metrics.h"
+#include "coordinator/state_store.h"
+
+namespace hsdp::coordinator {
+namespace {
+
+// Keepalive: ping idle connections every 30 s and drop peers that do not answer
+// within 10 s, so a worker whose host vanished is noticed by the transport, not
+// only by heartbeats. Clients may ping every 10 s even without calls in flight
+// (long polls sit idle on the wire).
+constexpr int kKeepaliveTimeMs = 30'000;
+constexpr int kKeepaliveTimeoutMs = 10'000;
+constexpr int kMinClientPingIntervalMs = 10'000;
+// Rendezvous values may be up to kMaxKvValueBytes; leave room for the envelope.
+constexpr int kMaxMessageBytes = 2 * static_cast<int>(kMaxKvValueBytes);
+// Heartbeat sweeps run this many times per timeout.
+constexpr int kSweepsPerTimeout = 4;
+constexpr absl::Duration kMinSweepPeriod = absl::Milliseconds(20);
+
+}  // namespace
+
+std::string WithPort(const std::string& listen, int port) {
+  const size_t colon = listen.rfind(':');
+  const std::string host =
+      colon == std::string::npos ? listen : listen.substr(0, colon);
+  return absl::StrCat(host, ":", port);
+}
+
+CoordinatorServer::CoordinatorServer() = default;
+
+CoordinatorServer::~CoordinatorServer() { Shutdown(); }
+
+int CoordinatorServer::metrics_port() const { return metrics_->port(); }
+
+absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
+    const JobConfig& job, const ServerOptions& options) {
+  std::unique_ptr<CoordinatorServer> s(new CoordinatorServer());
+  s->shutdown_deadline_ = options.shutdown_deadline;
+  if (job.job_id.empty()) return absl::InvalidArgumentError("job id: empty");
+  HSDP_RETURN_IF_ERROR(ValidateMesh(job.mesh, job.world_size));
+  if (options.tls_cert_pem.empty() != options.tls_key_pem.empty()) {
+    return absl::InvalidArgumentError("TLS needs both a certificate and a key");
+  }
+
+  StateStore* store = nullptr;
+  if (!job.state_dir.empty()) {
+    StateStore::Options store_options;
+    store_options.sync = options.sync_state;
+    HSDP_ASSIGN_OR_RETURN(s->state_store_,
+                          StateStore::Open(job.state_dir, store_options));
+    store = s->state_store_.get();
+  }
+  Membership::Options membership_options;
+  membership_options.job_id = job.job_id;
+  membership_options.world_size = job.world_size;
+  membership_options.mesh = job.mesh;
+  membership_options.heartbeat_timeout = job.heartbeat_timeout;
+  HSDP_ASSIGN_OR_RETURN(s->membership_,
+                        Membership::Create(membership_options, store));
+  ScheduleLog::Options log_options;
+  log_options.world_size = job.world_size;
+  log_options.shard_size = job.mesh.shard;
+  log_options.read_ahead = job.read_ahead;
+  HSDP_ASSIGN_OR_RETURN(s->schedule_log_,
+                        ScheduleLog::Create(log_options, job.policy, store));
+  if (s->membership_->has_model() && !s->schedule_log_->has_units()) {
+    absl::Status units = s->schedule_log_->SetUnits(s->membership_->units());
+    if (!units.ok())
+      std::cerr << "hsdp-coordinator: restored model: " << units << "\n";
+  }
+  s->kv_store_ = std::make_unique<KvStore>();
+  HSDP_ASSIGN_OR_RETURN(s->metrics_, Metrics::Create(options.metrics_listen));
+  s->reports_ = std::make_unique<ReportBook>();
+
+  CoordinatorCore core;
+  core.membership = s->membership_.get();
+  core.schedule_log = s->schedule_log_.get();
+  core.kv_store = s->kv_store_.get();
+  core.metrics = s->metrics_.get();
+  core.reports = s->reports_.get();
+  s->coordinator_service_ = std::make_unique<CoordinatorServiceImpl>(core);
+  s->control_service_ =
+      std::make_unique<ControlServiceImpl>(core, options.control_token);
+  RefreshMembershipMetrics(core);
+  s->metrics_->SetPolicyVersion(s->schedule_log_->CurrentPolicy().version);
+
+  // Both are process-wide switches read by the next ServerBuilder.
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  std::shared_ptr<grpc::ServerCredentials> creds;
+  if (options.tls_cert_pem.empty()) {
+    creds = grpc::InsecureServerCredentials();
+  } else {
+    grpc::SslServerCredentialsOptions ssl;
+    ssl.pem_key_cert_pairs.push_back(
+        {options.tls_key_pem, options.tls_cert_pem});
+    creds = grpc::SslServerCredentials(ssl);
+  }
+  builder.AddListeningPort(options.listen, creds, &s->port_);
+  builder.RegisterService(s->coordinator_service_.get());
+  builder.RegisterService(s->control_service_.get());
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, kKeepaliveTimeMs);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS,
+                             kKeepaliveTimeoutMs);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  builder.AddChannelArgument(
+      GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
+      kMinClientPingIntervalMs);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+  builder.SetMaxReceiveMessageSize(kMaxMessageBytes);
+  builder.SetMaxSendMessageSize(kMaxMessageBytes);
+  s->server_ = builder.BuildAndStart();
+  if (s->server_ == nullptr || s->port_ == 0) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot listen on ", options.listen));
+  }
+  s->address_ = WithPort(options.listen, s->port_);
+  grpc::HealthCheckServiceInterface* health =
+      s->server_->GetHealthCheckService();
+  health->SetServingStatus("", true);
+  health->SetServingStatus(kCoordinatorServiceName, true);
+  health->SetServingStatus(kControlServiceName, true);
+
+  const absl::Duration sweep_period =
+      std::max(kMinSweepPeriod, job.heartbeat_timeout / kSweepsPerTimeout);
+  s->sweeper_ = std::thread(
+      [server = s.get(), sweep_period] { server->SweepLoop(sweep_period); });
+  return s;
+}
+
+void CoordinatorServer::SweepLoop(absl::Duration period) {
+  while (!stop_sweeping_.WaitForNotificationWithTimeout(period)) {
+    coordinator_service_->SweepHeartbeats();
+  }
+}
+
+void CoordinatorServer::Shutdown() {
+  {
+    absl::MutexLock lock(&mu_);
+    if (shutting_down_) return;
+    shutting_down_ = true;
+  }
+  if (server_ != nullptr) {
+    // Load balancers and kubelet probes see NOT_SERVING first (the default
+    // health service flips every service and ignores later changes).
+    server_->GetHealthCheckService()->Shutdown();
+    // Release long polls so they answer UNAVAILABLE now instead of running into
+    // the deadline.
+    schedule_log_->Shutdown();
+    kv_store_->Shutdown();
+    const auto deadline = std::chrono::system_clock::now() +
+                          absl::ToChronoMilliseconds(shutdown_deadline_);
+    server_->Shutdown(deadline);
+    server_->Wait();
+  }
+  if (sweeper_.joinable()) {
+    stop_sweeping_.Notify();
+    sweeper_.join();
+  }
+  shut_down_.Notify();
+}
+
+void CoordinatorServer::Wait() { shut_down_.WaitForNotification(); }
+
+}  // namespace hsdp::coordinator

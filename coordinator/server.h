@@ -1,0 +1,130 @@
+// Assembles a running coordinator: state store, membership, schedule log,
+// rendezvous store, metrics, and one gRPC server carrying CoordinatorService,
+// ControlService, the gRPC health service (per-service status) and reflection.
+#ifndef HSDP_COORDINATOR_SERVER_H_
+#define HSDP_COORDINATOR_SERVER_H_
+
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
+#include "common/mesh.h"
+#include "coordinator/schedule_log.h"
+#include "hsdp/v1/policy.pb.h"
+
+namespace grpc {
+class Server;
+}
+
+namespace hsdp::coordinator {
+
+class ControlServiceImpl;
+class CoordinatorServiceImpl;
+class KvStore;
+class Membership;
+class Metrics;
+class ReportBook;
+class StateStore;
+
+// Service names the health service reports on (plus "" for the whole server).
+inline constexpr char kCoordinatorServiceName[] = "hsdp.v1.CoordinatorService";
+inline constexpr char kControlServiceName[] = "hsdp.v1.ControlService";
+
+// What the job is: from flags or a job file.
+struct JobConfig {
+  std::string job_id;
+  int world_size = 1;
+  MeshShape mesh;
+  hsdp::v1::Policy policy;
+  // Empty: no persistence.
+  std::string state_dir;
+  absl::Duration heartbeat_timeout = absl::Seconds(10);
+  int read_ahead = kDefaultReadAhead;
+};
+
+// How it is served.
+struct ServerOptions {
+  // HOST:PORT; port 0 picks a free port (see CoordinatorServer::port()).
+  std::string listen = "0.0.0.0:50051";
+  // HOST:PORT for Prometheus; empty: no metrics endpoint.
+  std::string metrics_listen;
+  // PEM contents; both set: TLS, both empty: plaintext.
+  std::string tls_cert_pem;
+  std::string tls_key_pem;
+  // Empty: ControlService is open.
+  std::string control_token;
+  // How long Shutdown() lets in-flight calls finish before cancelling them.
+  absl::Duration shutdown_deadline = absl::Seconds(10);
+  // fsync state writes (tests and benchmarks that never crash the machine may
+  // skip it).
+  bool sync_state = true;
+};
+
+// Thread-safe: Shutdown() may be called from any thread (e.g. a signal-waiting
+// one), any number of times; the accessors are immutable after Start().
+class CoordinatorServer {
+ public:
+  // Builds everything and starts serving. Errors: INVALID_ARGUMENT for a bad
+  // job spec (mesh not matching the world, invalid policy), FAILED_PRECONDITION
+  // when the state directory belongs to another job, UNAVAILABLE when a port
+  // cannot be bound.
+  static absl::StatusOr<std::unique_ptr<CoordinatorServer>> Start(
+      const JobConfig& job, const ServerOptions& options);
+  ~CoordinatorServer();
+  CoordinatorServer(const CoordinatorServer&) = delete;
+  CoordinatorServer& operator=(const CoordinatorServer&) = delete;
+
+  // The bound port and "HOST:PORT" with it (the listen host, port resolved).
+  int port() const { return port_; }
+  const std::string& address() const { return address_; }
+  // Bound metrics port, or 0.
+  int metrics_port() const;
+
+  // Graceful stop: health NOT_SERVING, long polls released (UNAVAILABLE), then
+  // the gRPC server's Shutdown with the configured deadline. Idempotent.
+  void Shutdown() ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Blocks until Shutdown() completed.
+  void Wait();
+
+  // For in-process tests and the benchmark.
+  Metrics& metrics() { return *metrics_; }
+  ScheduleLog& schedule_log() { return *schedule_log_; }
+  Membership& membership() { return *membership_; }
+
+ private:
+  CoordinatorServer();
+  void SweepLoop(absl::Duration period);
+
+  std::unique_ptr<StateStore> state_store_;
+  std::unique_ptr<Membership> membership_;
+  std::unique_ptr<ScheduleLog> schedule_log_;
+  std::unique_ptr<KvStore> kv_store_;
+  std::unique_ptr<Metrics> metrics_;
+  std::unique_ptr<ReportBook> reports_;
+  std::unique_ptr<CoordinatorServiceImpl> coordinator_service_;
+  std::unique_ptr<ControlServiceImpl> control_service_;
+  std::unique_ptr<grpc::Server> server_;
+  int port_ = 0;
+  std::string address_;
+  absl::Duration shutdown_deadline_;
+
+  absl::Notification stop_sweeping_;
+  std::thread sweeper_;
+  absl::Notification shut_down_;
+  absl::Mutex mu_;
+  bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+// "HOST:PORT" with PORT replaced by `port` ("0.0.0.0:0", 4242 ->
+// "0.0.0.0:4242"; IPv6 "[::]:0" works too).
+std::string WithPort(const std::string& listen, int port);
+
+}  // namespace hsdp::coordinator
+
+#endif  // HSDP_COORDINATOR_SERVER_H_
