@@ -441,7 +441,7 @@ class Checker:
                       self.check_coordinator, self.check_job):
             check()
         self.check_worker(overlay_kind)
-        return self.problems
+        return list(dict.fromkeys(self.problems))  # a helper may report one problem twice
 
 
 def ref_missing(keys, key):
