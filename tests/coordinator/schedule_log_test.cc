@@ -1,0 +1,419 @@
+#include "coordinator/schedule_log.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <thread>
+
+#include "absl/time/clock.h"
+#include "common/policy.h"
+#include "tests/coordinator/core_test_util.h"
+
+namespace hsdp::coordinator {
+namespace {
+
+using hsdp::v1::Policy;
+using testing::FreshDir;
+using testing::MakeUnits;
+
+constexpr absl::Duration kWait = absl::Seconds(20);
+constexpr absl::Duration kShort = absl::Milliseconds(50);
+
+Policy P(const char* text) {
+  absl::StatusOr<Policy> p = ParsePolicy(text);
+  EXPECT_TRUE(p.ok()) << p.status();
+  return p.ok() ? *p : Policy();
+}
+
+std::unique_ptr<ScheduleLog> MakeLog(int world, int read_ahead,
+                                     StateStore* store = nullptr,
+                                     const Policy& policy = Policy(),
+                                     bool units = true) {
+  ScheduleLog::Options options;
+  options.world_size = world;
+  options.shard_size = world;
+  options.read_ahead = read_ahead;
+  auto log = ScheduleLog::Create(options, policy, store);
+  EXPECT_TRUE(log.ok()) << log.status();
+  if (!log.ok()) return nullptr;
+  if (units) {
+    absl::Status s = (*log)->SetUnits(MakeUnits(3));
+    EXPECT_TRUE(s.ok()) << s;
+  }
+  return std::move(*log);
+}
+
+absl::Time Soon() { return absl::Now() + kWait; }
+
+// Reports `step` complete for every rank.
+void CompleteAll(ScheduleLog& log, int world, int64_t step) {
+  for (int rank = 0; rank < world; ++rank) {
+    hsdp::v1::StepReport report;
+    report.set_rank(rank);
+    report.set_step(step);
+    ASSERT_TRUE(log.RecordReport(report).ok());
+  }
+}
+
+TEST(ScheduleLogTest, FirstReadSealsAndLaterReadsAreByteIdentical) {
+  auto log = MakeLog(2, 4);
+  EXPECT_EQ(log->sealed_step(), -1);
+  EXPECT_EQ(log->GetSealed(0).status().code(), absl::StatusCode::kNotFound);
+  absl::StatusOr<ScheduleRead> first = log->GetSchedule(0, 3, Soon());
+  ASSERT_TRUE(first.ok()) << first.status();
+  ASSERT_NE(first->sealed, nullptr);
+  EXPECT_FALSE(first->drained);
+  EXPECT_EQ(first->sealed->bytes, first->sealed->schedule.SerializeAsString());
+  EXPECT_EQ(first->sealed->schedule.generation(), 3);
+  EXPECT_EQ(log->sealed_step(), 0);
+  // Later reads — even after a policy change and in another generation — see
+  // the same bytes.
+  ASSERT_TRUE(log->SetPolicy(P("reshard_after_forward: false")).ok());
+  absl::StatusOr<ScheduleRead> again = log->GetSchedule(0, 4, Soon());
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(again->sealed->bytes, first->sealed->bytes);
+  absl::StatusOr<std::shared_ptr<const SealedSchedule>> control =
+      log->GetSealed(0);
+  ASSERT_TRUE(control.ok());
+  EXPECT_EQ((*control)->bytes, first->sealed->bytes);
+}
+
+TEST(ScheduleLogTest, SealsInOrderAndControlReadsNeverSeal) {
+  auto log = MakeLog(1, 4);
+  ASSERT_TRUE(log->GetSchedule(2, 0, Soon()).ok());
+  EXPECT_EQ(log->sealed_step(), 2);
+  for (int step = 0; step <= 2; ++step) {
+    absl::StatusOr<std::shared_ptr<const SealedSchedule>> s =
+        log->GetSealed(step);
+    ASSERT_TRUE(s.ok()) << step;
+    EXPECT_EQ((*s)->schedule.step(), step);
+  }
+  EXPECT_EQ(log->GetSealed(3).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(log->sealed_step(), 2);
+}
+
+TEST(ScheduleLogTest, BadReads) {
+  auto log = MakeLog(1, 4, nullptr, Policy(), /*units=*/false);
+  EXPECT_EQ(log->GetSchedule(0, 0, Soon()).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(log->SetUnits(MakeUnits(3)).ok());
+  EXPECT_TRUE(log->SetUnits(MakeUnits(3)).ok());
+  EXPECT_EQ(log->SetUnits(MakeUnits(4)).code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(log->GetSchedule(-1, 0, Soon()).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(ScheduleLogTest, PolicyChangeLandsOnAnnouncedStep) {
+  auto log = MakeLog(1, 8);
+  ASSERT_TRUE(log->GetSchedule(1, 0, Soon()).ok());  // seals 0, 1
+  absl::StatusOr<PolicyInfo> change =
+      log->SetPolicy(P("forward_prefetch_depth: 2"));
+  ASSERT_TRUE(change.ok()) << change.status();
+  EXPECT_EQ(change->version, 2);
+  EXPECT_EQ(change->effective_step, 2);
+  EXPECT_EQ(log->CurrentPolicy().version, 2);
+  // Two changes before the next seal: the later one governs step 2.
+  change = log->SetPolicy(P("forward_prefetch_depth: 3"));
+  ASSERT_TRUE(change.ok());
+  EXPECT_EQ(change->version, 3);
+  EXPECT_EQ(change->effective_step, 2);
+  absl::StatusOr<ScheduleRead> s1 = log->GetSchedule(1, 0, Soon());
+  absl::StatusOr<ScheduleRead> s2 = log->GetSchedule(2, 0, Soon());
+  ASSERT_TRUE(s1.ok() && s2.ok());
+  EXPECT_EQ(s1->sealed->schedule.policy_version(), 1);
+  EXPECT_EQ(s1->sealed->schedule.units(0).forward_prefetch_size(), 1);
+  EXPECT_EQ(s2->sealed->schedule.policy_version(), 3);
+  EXPECT_EQ(s2->sealed->schedule.units(0).forward_prefetch_size(), 3);
+  EXPECT_EQ(log->PolicyHistory().size(), 3u);
+}
+
+TEST(ScheduleLogTest, InvalidPolicyChangesNothing) {
+  auto log = MakeLog(1, 4);
+  const PolicyInfo before = log->CurrentPolicy();
+  absl::StatusOr<PolicyInfo> bad =
+      log->SetPolicy(P("forward_prefetch_depth: -1"));
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  bad = log->SetPolicy(
+      P("overrides { unit_glob: \"blocks.*\" reshard_after_forward: false }"));
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("matches no unit"), std::string::npos);
+  EXPECT_EQ(log->CurrentPolicy().version, before.version);
+  EXPECT_EQ(log->PolicyHistory().size(), 1u);
+  absl::StatusOr<ScheduleRead> s = log->GetSchedule(0, 0, Soon());
+  ASSERT_TRUE(s.ok());
+  EXPECT_EQ(s->sealed->schedule.policy_version(), 1);
+  // The initial policy is validated too.
+  ScheduleLog::Options options;
+  EXPECT_EQ(ScheduleLog::Create(options, P("microbatches: -2"), nullptr)
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(ScheduleLogTest, InitialPolicyGlobCheckedWhenUnitsArrive) {
+  auto log = MakeLog(
+      1, 4, nullptr,
+      P("overrides { unit_glob: \"blocks.*\" reshard_after_forward: false }"),
+      /*units=*/false);
+  EXPECT_EQ(log->SetUnits(MakeUnits(2)).code(),
+            absl::StatusCode::kInvalidArgument);
+  // The units were still taken: planning works, the override is inert.
+  EXPECT_TRUE(log->has_units());
+  absl::StatusOr<ScheduleRead> s = log->GetSchedule(0, 0, Soon());
+  ASSERT_TRUE(s.ok());
+  EXPECT_TRUE(s->sealed->schedule.units(1).reshard_after_forward());
+}
+
+TEST(ScheduleLogTest, ReadAheadWindowWaitsOrRefuses) {
+  // world 2, read-ahead 2 -> refuse beyond 4 * 2 = 8 past floor + 1.
+  auto log = MakeLog(2, 2);
+  ASSERT_TRUE(
+      log->GetSchedule(2, 0, Soon()).ok());  // floor -1: steps 0..2 open
+  absl::StatusOr<ScheduleRead> blocked =
+      log->GetSchedule(3, 0, absl::Now() + kShort);
+  EXPECT_EQ(blocked.status().code(), absl::StatusCode::kDeadlineExceeded);
+  absl::StatusOr<ScheduleRead> far = log->GetSchedule(9, 0, Soon());
+  EXPECT_EQ(far.status().code(), absl::StatusCode::kOutOfRange);
+  EXPECT_NE(far.status().message().find("too far ahead"), std::string::npos);
+  EXPECT_EQ(log->sealed_step(), 2);
+
+  // A blocked read opens once the slowest rank completes step 0.
+  absl::StatusOr<ScheduleRead> waited;
+  std::thread reader([&] { waited = log->GetSchedule(3, 0, Soon()); });
+  absl::SleepFor(absl::Milliseconds(20));
+  hsdp::v1::StepReport report;
+  report.set_rank(0);
+  report.set_step(0);
+  ASSERT_TRUE(log->RecordReport(report).ok());
+  EXPECT_EQ(log->min_completed_step(), -1);  // rank 1 has not reported
+  report.set_rank(1);
+  ASSERT_TRUE(log->RecordReport(report).ok());
+  reader.join();
+  ASSERT_TRUE(waited.ok()) << waited.status();
+  EXPECT_EQ(waited->sealed->schedule.step(), 3);
+  EXPECT_EQ(log->min_completed_step(), 0);
+}
+
+TEST(ScheduleLogTest, BadReports) {
+  auto log = MakeLog(2, 2);
+  hsdp::v1::StepReport report;
+  report.set_rank(2);
+  EXPECT_EQ(log->RecordReport(report).code(),
+            absl::StatusCode::kInvalidArgument);
+  report.set_rank(0);
+  report.set_step(-1);
+  EXPECT_EQ(log->RecordReport(report).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(ScheduleLogTest, DrainStopsSealing) {
+  auto log = MakeLog(1, 2);
+  ASSERT_TRUE(log->GetSchedule(1, 0, Soon()).ok());
+  // A reader blocked beyond the window is released by the drain.
+  absl::StatusOr<ScheduleRead> waiting;
+  std::thread reader([&] { waiting = log->GetSchedule(4, 0, Soon()); });
+  absl::SleepFor(absl::Milliseconds(20));
+  absl::StatusOr<int64_t> last = log->Drain();
+  ASSERT_TRUE(last.ok());
+  EXPECT_EQ(*last, 2);
+  reader.join();
+  ASSERT_TRUE(waiting.ok()) << waiting.status();
+  EXPECT_TRUE(waiting->drained);
+  EXPECT_EQ(waiting->sealed, nullptr);
+  EXPECT_EQ(*log->Drain(), 2);  // idempotent
+  EXPECT_EQ(log->drain_step(), 2);
+  // The drain step itself still runs; nothing after it is sealed.
+  absl::StatusOr<ScheduleRead> s2 = log->GetSchedule(2, 0, Soon());
+  ASSERT_TRUE(s2.ok());
+  EXPECT_FALSE(s2->drained);
+  EXPECT_TRUE(log->GetSchedule(3, 0, Soon())->drained);
+  EXPECT_EQ(log->sealed_step(), 2);
+  EXPECT_EQ(log->RequestCheckpoint().status().code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
+TEST(ScheduleLogTest, CheckpointRequestsAndRecords) {
+  auto log = MakeLog(2, 4, nullptr, P("checkpoint_interval: 4"));
+  ASSERT_TRUE(log->GetSchedule(0, 0, Soon()).ok());
+  absl::StatusOr<int64_t> step = log->RequestCheckpoint();
+  ASSERT_TRUE(step.ok());
+  EXPECT_EQ(*step, 1);
+  EXPECT_EQ(*log->RequestCheckpoint(), 1);
+  absl::StatusOr<ScheduleRead> s = log->GetSchedule(3, 0, Soon());
+  ASSERT_TRUE(s.ok());
+  EXPECT_FALSE((*log->GetSealed(0))->schedule.checkpoint());
+  EXPECT_TRUE((*log->GetSealed(1))->schedule.checkpoint());
+  EXPECT_FALSE((*log->GetSealed(2))->schedule.checkpoint());
+  EXPECT_TRUE((*log->GetSealed(3))->schedule.checkpoint());  // interval
+
+  EXPECT_EQ(log->last_checkpoint_step(), -1);
+  hsdp::v1::StepReport report;
+  report.set_step(1);
+  report.set_checkpoint_saved(true);
+  report.set_rank(0);
+  ASSERT_TRUE(log->RecordReport(report).ok());
+  EXPECT_EQ(log->last_checkpoint_step(), -1);  // rank 1 has not saved yet
+  report.set_rank(1);
+  ASSERT_TRUE(log->RecordReport(report).ok());
+  EXPECT_EQ(log->last_checkpoint_step(), 1);
+}
+
+TEST(ScheduleLogTest, ShutdownReleasesReaders) {
+  auto log = MakeLog(1, 0);
+  ASSERT_TRUE(log->GetSchedule(0, 0, Soon()).ok());
+  absl::StatusOr<ScheduleRead> waiting;
+  std::thread reader([&] { waiting = log->GetSchedule(1, 0, Soon()); });
+  absl::SleepFor(absl::Milliseconds(20));
+  log->Shutdown();
+  reader.join();
+  EXPECT_EQ(waiting.status().code(), absl::StatusCode::kUnavailable);
+}
+
+// Many ranks read every step concurrently while the policy changes every few
+// steps: all ranks get byte-identical schedules, each change lands on the
+// announced step, and every step carries exactly the version whose range covers
+// it.
+TEST(ScheduleLogTest, ConcurrentReadersWithPolicyChanges) {
+  constexpr int kWorld = 16;
+  constexpr int kSteps = 60;
+  auto log = MakeLog(kWorld, 2);
+  std::vector<std::vector<std::string>> seen(kWorld,
+                                             std::vector<std::string>(kSteps));
+  std::atomic<int> errors{0};
+  std::vector<std::thread> ranks;
+  for (int rank = 0; rank < kWorld; ++rank) {
+    ranks.emplace_back([&, rank] {
+      for (int step = 0; step < kSteps; ++step) {
+        absl::StatusOr<ScheduleRead> s = log->GetSchedule(step, 0, Soon());
+        if (!s.ok() || s->sealed == nullptr) {
+          ++errors;
+          return;
+        }
+        seen[rank][step] = s->sealed->bytes;
+        hsdp::v1::StepReport report;
+        report.set_rank(rank);
+        report.set_step(step);
+        if (!log->RecordReport(report).ok()) ++errors;
+      }
+    });
+  }
+  std::vector<PolicyInfo> announced;
+  for (int change = 0; change < 12; ++change) {
+    Policy p;
+    p.set_forward_prefetch_depth(change % 4);
+    p.set_microbatches(1 + change % 3);
+    absl::StatusOr<PolicyInfo> info = log->SetPolicy(p);
+    ASSERT_TRUE(info.ok());
+    announced.push_back(*info);
+    absl::SleepFor(absl::Milliseconds(2));
+  }
+  for (auto& t : ranks) t.join();
+  ASSERT_EQ(errors.load(), 0);
+  for (int step = 0; step < kSteps; ++step) {
+    for (int rank = 1; rank < kWorld; ++rank) {
+      ASSERT_EQ(seen[rank][step], seen[0][step])
+          << "rank " << rank << " step " << step;
+    }
+  }
+  const std::vector<PolicyInfo> history = log->PolicyHistory();
+  for (int step = 0; step < kSteps; ++step) {
+    const hsdp::v1::StepSchedule& s = (*log->GetSealed(step))->schedule;
+    int64_t expected = 1;
+    const PolicyInfo* governing = &history.front();
+    for (const PolicyInfo& info : history) {
+      if (info.effective_step <= step) {
+        expected = info.version;
+        governing = &info;
+      }
+    }
+    EXPECT_EQ(s.policy_version(), expected) << step;
+    // The whole step follows that one policy.
+    const Policy resolved = ResolvePolicyDefaults(governing->policy);
+    EXPECT_EQ(s.microbatches_size(), resolved.microbatches()) << step;
+    EXPECT_EQ(s.units(0).forward_prefetch_size(),
+              std::min(resolved.forward_prefetch_depth(), s.units_size() - 1))
+        << step;
+  }
+  for (const PolicyInfo& info : announced) {
+    if (info.effective_step >= kSteps) continue;
+    const int64_t v =
+        (*log->GetSealed(info.effective_step))->schedule.policy_version();
+    EXPECT_GE(
+        v, info.version);  // a later change announced for the same step may win
+    if (info.effective_step > 0) {
+      EXPECT_LT(
+          (*log->GetSealed(info.effective_step - 1))->schedule.policy_version(),
+          info.version);
+    }
+  }
+}
+
+TEST(ScheduleLogTest, RestartServesIdenticalSealedSteps) {
+  const std::string dir = FreshDir("state");
+  std::vector<std::string> before;
+  {
+    auto store = StateStore::Open(dir);
+    ASSERT_TRUE(store.ok());
+    auto log = MakeLog(1, 4, store->get(), P("microbatches: 2"));
+    ASSERT_TRUE(log->GetSchedule(1, 0, Soon()).ok());
+    ASSERT_TRUE(log->SetPolicy(P("forward_prefetch_depth: 0")).ok());
+    ASSERT_TRUE(log->GetSchedule(3, 0, Soon()).ok());
+    CompleteAll(*log, 1, 3);
+    ASSERT_TRUE(log->RequestCheckpoint().ok());  // step 4
+    hsdp::v1::StepReport saved;
+    saved.set_step(3);
+    saved.set_checkpoint_saved(true);
+    ASSERT_TRUE(log->RecordReport(saved).ok());
+    for (int step = 0; step <= 3; ++step)
+      before.push_back((*log->GetSealed(step))->bytes);
+  }
+  auto store = StateStore::Open(dir);
+  ASSERT_TRUE(store.ok()) << store.status();
+  // A different initial policy on restart: the persisted history wins.
+  auto log = MakeLog(1, 4, store->get(), P("microbatches: 7"), /*units=*/false);
+  EXPECT_TRUE(log->restored());
+  EXPECT_FALSE(log->has_units());  // the unit list is persisted by Membership
+  ASSERT_TRUE(log->SetUnits(MakeUnits(3)).ok());
+  EXPECT_EQ(log->sealed_step(), 3);
+  for (int step = 0; step <= 3; ++step) {
+    absl::StatusOr<ScheduleRead> s = log->GetSchedule(step, 9, Soon());
+    ASSERT_TRUE(s.ok());
+    EXPECT_EQ(s->sealed->bytes, before[step]) << step;
+  }
+  EXPECT_EQ(log->CurrentPolicy().version, 2);
+  EXPECT_EQ(log->PolicyHistory().size(), 2u);
+  EXPECT_EQ(log->last_checkpoint_step(), 3);
+  // The window survives the restart (completed steps are not persisted), and
+  // the pending checkpoint request and the persisted policy govern the next
+  // step.
+  absl::StatusOr<ScheduleRead> next = log->GetSchedule(4, 9, Soon());
+  ASSERT_TRUE(next.ok()) << next.status();
+  EXPECT_EQ(next->sealed->schedule.policy_version(), 2);
+  EXPECT_EQ(next->sealed->schedule.microbatches_size(),
+            1);  // not the 7 passed now
+  EXPECT_EQ(next->sealed->schedule.units(0).forward_prefetch_size(), 0);
+  EXPECT_TRUE(next->sealed->schedule.checkpoint());
+}
+
+TEST(ScheduleLogTest, RestoresUnitsFromStore) {
+  const std::string dir = FreshDir("state");
+  auto store = StateStore::Open(dir);
+  ASSERT_TRUE(store.ok());
+  ASSERT_TRUE((*store)
+                  ->Update([](PersistedState* s) {
+                    const UnitList units = MakeUnits(2);
+                    s->mutable_units()->Assign(units.begin(), units.end());
+                    auto* p = s->add_policies();
+                    p->set_version(1);
+                  })
+                  .ok());
+  auto log = MakeLog(1, 4, store->get(), Policy(), /*units=*/false);
+  EXPECT_TRUE(log->has_units());
+  absl::StatusOr<ScheduleRead> s = log->GetSchedule(0, 0, Soon());
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(s->sealed->schedule.units_size(), 3);
+}
+
+}  // namespace
+}  // namespace hsdp::coordinator

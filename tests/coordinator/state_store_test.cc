@@ -1,0 +1,154 @@
+#include "coordinator/state_store.h"
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "hsdp/v1/schedule.pb.h"
+#include "tests/coordinator/core_test_util.h"
+
+namespace hsdp::coordinator {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::FreshDir;
+
+std::string StepBytes(int64_t step) {
+  hsdp::v1::StepSchedule schedule;
+  schedule.set_step(step);
+  schedule.set_policy_version(1);
+  schedule.add_units()->set_unit_name("root");
+  return schedule.SerializeAsString();
+}
+
+void WriteRaw(const fs::path& path, const std::string& contents) {
+  std::ofstream out(path, std::ios::binary);
+  out << contents;
+}
+
+TEST(StateStoreTest, EmptyDirectoryStartsEmpty) {
+  absl::StatusOr<std::unique_ptr<StateStore>> store =
+      StateStore::Open(FreshDir("s"));
+  ASSERT_TRUE(store.ok()) << store.status();
+  EXPECT_FALSE((*store)->state().has_job());
+  EXPECT_TRUE((*store)->SealedSteps().empty());
+}
+
+TEST(StateStoreTest, RoundTripsStateAndSealedSteps) {
+  const std::string dir = FreshDir("s");
+  {
+    auto store = StateStore::Open(dir);
+    ASSERT_TRUE(store.ok()) << store.status();
+    ASSERT_TRUE((*store)
+                    ->Update([](PersistedState* s) {
+                      s->mutable_job()->set_job_id("job-1");
+                      s->set_generation(3);
+                      auto* p = s->add_policies();
+                      p->set_version(2);
+                      p->set_effective_step(5);
+                      p->mutable_policy()->set_microbatches(4);
+                      s->set_drain_step(9);
+                    })
+                    .ok());
+    ASSERT_TRUE((*store)->SaveSealedStep(0, StepBytes(0)).ok());
+    ASSERT_TRUE((*store)->SaveSealedStep(1, StepBytes(1)).ok());
+  }
+  auto store = StateStore::Open(dir);
+  ASSERT_TRUE(store.ok()) << store.status();
+  const PersistedState state = (*store)->state();
+  EXPECT_EQ(state.job().job_id(), "job-1");
+  EXPECT_EQ(state.generation(), 3);
+  ASSERT_EQ(state.policies_size(), 1);
+  EXPECT_EQ(state.policies(0).effective_step(), 5);
+  EXPECT_EQ(state.policies(0).policy().microbatches(), 4);
+  EXPECT_EQ(state.drain_step(), 9);
+  const auto steps = (*store)->SealedSteps();
+  ASSERT_EQ(steps.size(), 2u);
+  EXPECT_EQ(steps.at(0), StepBytes(0));
+  EXPECT_EQ(steps.at(1), StepBytes(1));
+}
+
+TEST(StateStoreTest, SealedStepsAreImmutable) {
+  auto store = StateStore::Open(FreshDir("s"));
+  ASSERT_TRUE(store.ok());
+  ASSERT_TRUE((*store)->SaveSealedStep(4, StepBytes(4)).ok());
+  EXPECT_TRUE((*store)->SaveSealedStep(4, StepBytes(4)).ok());
+  EXPECT_EQ((*store)->SaveSealedStep(4, StepBytes(5)).code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ((*store)->SealedSteps().at(4), StepBytes(4));
+}
+
+// A crash mid-write leaves "<file>.tmp" behind; the previous contents must win.
+TEST(StateStoreTest, IgnoresHalfWrittenTempFilesAfterCrash) {
+  const std::string dir = FreshDir("s");
+  {
+    auto store = StateStore::Open(dir);
+    ASSERT_TRUE(store.ok());
+    ASSERT_TRUE(
+        (*store)->Update([](PersistedState* s) { s->set_generation(7); }).ok());
+    ASSERT_TRUE((*store)->SaveSealedStep(0, StepBytes(0)).ok());
+  }
+  const std::string half = StepBytes(1).substr(0, 3);
+  WriteRaw(fs::path(dir) / "state.binpb.tmp", "\x10\x63garbage-half-written");
+  WriteRaw(fs::path(dir) / "steps" / "000000000001.binpb.tmp", half);
+
+  auto store = StateStore::Open(dir);
+  ASSERT_TRUE(store.ok()) << store.status();
+  EXPECT_EQ((*store)->state().generation(), 7);
+  EXPECT_EQ((*store)->SealedSteps().size(), 1u);
+  EXPECT_FALSE(fs::exists(fs::path(dir) / "state.binpb.tmp"));
+  EXPECT_FALSE(fs::exists(fs::path(dir) / "steps" / "000000000001.binpb.tmp"));
+  // The store keeps working after the recovery.
+  ASSERT_TRUE((*store)->SaveSealedStep(1, StepBytes(1)).ok());
+  EXPECT_EQ((*store)->SealedSteps().at(1), StepBytes(1));
+}
+
+TEST(StateStoreTest, CorruptFilesAreDataLoss) {
+  const std::string dir = FreshDir("s");
+  ASSERT_TRUE(StateStore::Open(dir).ok());
+  WriteRaw(fs::path(dir) / "state.binpb", "\xff\xff\xff");
+  EXPECT_EQ(StateStore::Open(dir).status().code(), absl::StatusCode::kDataLoss);
+
+  const std::string dir2 = FreshDir("s2");
+  ASSERT_TRUE(StateStore::Open(dir2).ok());
+  // A step file whose contents claim another step.
+  WriteRaw(fs::path(dir2) / "steps" / "000000000002.binpb", StepBytes(3));
+  absl::Status s = StateStore::Open(dir2).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss);
+  EXPECT_NE(s.message().find("000000000002.binpb"), std::string::npos) << s;
+}
+
+TEST(StateStoreTest, FailedUpdateKeepsPreviousState) {
+  const std::string dir = FreshDir("s");
+  auto store = StateStore::Open(dir);
+  ASSERT_TRUE(store.ok());
+  ASSERT_TRUE(
+      (*store)->Update([](PersistedState* s) { s->set_generation(1); }).ok());
+  // Make the directory unwritable: a directory where the temp file should go.
+  fs::create_directory(fs::path(dir) / "state.binpb.tmp");
+  fs::create_directory(fs::path(dir) / "state.binpb.tmp" / "x");
+  EXPECT_FALSE(
+      (*store)->Update([](PersistedState* s) { s->set_generation(2); }).ok());
+  EXPECT_EQ((*store)->state().generation(), 1);
+  fs::remove_all(fs::path(dir) / "state.binpb.tmp");
+}
+
+TEST(StateStoreTest, WriteFileAtomicallyReplaces) {
+  const fs::path path = fs::path(FreshDir("s")) / "f";
+  ASSERT_TRUE(WriteFileAtomically(path.string(), "one", true).ok());
+  ASSERT_TRUE(WriteFileAtomically(path.string(), "two", false).ok());
+  std::ifstream in(path);
+  std::string contents((std::istreambuf_iterator<char>(in)),
+                       std::istreambuf_iterator<char>());
+  EXPECT_EQ(contents, "two");
+  EXPECT_FALSE(fs::exists(path.string() + ".tmp"));
+}
+
+TEST(StateStoreTest, EmptyDirIsInvalid) {
+  EXPECT_EQ(StateStore::Open("").status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace hsdp::coordinator
