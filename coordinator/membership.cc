@@ -30,11 +30,12 @@ absl::Status Membership::RestoreLocked() {
   if (store_ == nullptr) return absl::OkStatus();
   const PersistedState state = store_->state();
   if (!state.has_job()) {
-    return store_->Update([&](PersistedState* s) {
-      s->mutable_job()->set_job_id(options_.job_id);
-      s->mutable_job()->set_world_size(options_.world_size);
-      *s->mutable_job()->mutable_mesh() = MeshToProto(options_.mesh);
-    });
+    return store_->Update(
+        [&](PersistedState* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+          s->mutable_job()->set_job_id(options_.job_id);
+          s->mutable_job()->set_world_size(options_.world_size);
+          *s->mutable_job()->mutable_mesh() = MeshToProto(options_.mesh);
+        });
   }
   const auto& job = state.job();
   if (job.job_id() != options_.job_id ||
@@ -64,20 +65,21 @@ absl::Status Membership::RestoreLocked() {
 
 absl::Status Membership::PersistLocked() {
   if (store_ == nullptr) return absl::OkStatus();
-  return store_->Update([&](PersistedState* s) {
-    s->set_generation(generation_);
-    s->set_model(model_);
-    s->mutable_units()->Assign(units_.begin(), units_.end());
-    s->clear_members();
-    for (int rank = 0; rank < static_cast<int>(slots_.size()); ++rank) {
-      const Slot& slot = slots_[rank];
-      if (slot.state == SlotState::kFree) continue;
-      auto* member = s->add_members();
-      member->set_rank(rank);
-      member->set_hostname(slot.hostname);
-      member->set_device(slot.device);
-    }
-  });
+  return store_->Update(
+      [&](PersistedState* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        s->set_generation(generation_);
+        s->set_model(model_);
+        s->mutable_units()->Assign(units_.begin(), units_.end());
+        s->clear_members();
+        for (int rank = 0; rank < static_cast<int>(slots_.size()); ++rank) {
+          const Slot& slot = slots_[rank];
+          if (slot.state == SlotState::kFree) continue;
+          auto* member = s->add_members();
+          member->set_rank(rank);
+          member->set_hostname(slot.hostname);
+          member->set_device(slot.device);
+        }
+      });
 }
 
 absl::Status Membership::CheckJobId(absl::string_view job_id) const {

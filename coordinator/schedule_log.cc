@@ -17,6 +17,20 @@ constexpr int kDefaultRefuseWindows = 4;
 ScheduleLog::ScheduleLog(Options options, StateStore* store)
     : options_(options), store_(store) {
   completed_.assign(options_.world_size, -1);
+  ranks_at_min_ = options_.world_size;
+}
+
+std::shared_ptr<const SealedSchedule> ScheduleLog::FindSealed(
+    int64_t step) const {
+  absl::ReaderMutexLock lock(&sealed_mu_);
+  if (step < 0 || step >= static_cast<int64_t>(sealed_.size())) return nullptr;
+  return sealed_[step];
+}
+
+void ScheduleLog::AppendSealed(std::shared_ptr<const SealedSchedule> sealed) {
+  absl::MutexLock lock(&sealed_mu_);
+  sealed_.push_back(std::move(sealed));
+  ++next_unsealed_;
 }
 
 ScheduleLog::~ScheduleLog() = default;
@@ -66,10 +80,10 @@ absl::Status ScheduleLog::RestoreLocked(
                                          options_.shard_size);
   }
   for (auto& [step, bytes] : store_->SealedSteps()) {
-    if (step != static_cast<int64_t>(sealed_.size())) {
+    if (step != next_unsealed_) {
       return absl::DataLossError(
           absl::StrCat("state directory ", store_->dir(), ": sealed step ",
-                       sealed_.size(), " is missing (found step ", step, ")"));
+                       next_unsealed_, " is missing (found step ", step, ")"));
     }
     auto sealed = std::make_shared<SealedSchedule>();
     sealed->step = step;
@@ -78,34 +92,33 @@ absl::Status ScheduleLog::RestoreLocked(
       return absl::DataLossError(
           absl::StrCat("sealed step ", step, " does not parse"));
     }
-    sealed_.push_back(std::move(sealed));
+    AppendSealed(std::move(sealed));
   }
   // Completed steps are not persisted. Sealing the last restored step needed
   // floor >= step - 1 - read_ahead, and the floor never decreases, so that much
   // is known.
-  restored_floor_ =
-      static_cast<int64_t>(sealed_.size()) - 2 - options_.read_ahead;
+  restored_floor_ = next_unsealed_ - 2 - options_.read_ahead;
   return absl::OkStatus();
 }
 
 absl::Status ScheduleLog::PersistLocked() {
   if (store_ == nullptr) return absl::OkStatus();
-  return store_->Update([&](PersistedState* s) {
-    s->clear_policies();
-    for (const PolicyInfo& info : policies_) {
-      auto* record = s->add_policies();
-      record->set_version(info.version);
-      record->set_effective_step(info.effective_step);
-      *record->mutable_policy() = info.policy;
-    }
-    s->set_drain_step(drain_step_);
-    s->set_last_checkpoint_step(last_checkpoint_step_);
-    s->clear_checkpoint_requests();
-    for (int64_t step : checkpoint_requests_) {
-      if (step >= static_cast<int64_t>(sealed_.size()))
-        s->add_checkpoint_requests(step);
-    }
-  });
+  return store_->Update(
+      [&](PersistedState* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        s->clear_policies();
+        for (const PolicyInfo& info : policies_) {
+          auto* record = s->add_policies();
+          record->set_version(info.version);
+          record->set_effective_step(info.effective_step);
+          *record->mutable_policy() = info.policy;
+        }
+        s->set_drain_step(drain_step_);
+        s->set_last_checkpoint_step(last_checkpoint_step_);
+        s->clear_checkpoint_requests();
+        for (int64_t step : checkpoint_requests_) {
+          if (step >= next_unsealed_) s->add_checkpoint_requests(step);
+        }
+      });
 }
 
 absl::Status ScheduleLog::SetUnits(const UnitList& units) {
@@ -145,13 +158,11 @@ const PolicyInfo& ScheduleLog::PolicyForStepLocked(int64_t step) const {
 }
 
 int64_t ScheduleLog::FloorLocked() const {
-  const int64_t min_completed =
-      *std::min_element(completed_.begin(), completed_.end());
-  return std::max(min_completed, restored_floor_);
+  return std::max(min_completed_, restored_floor_);
 }
 
 absl::Status ScheduleLog::SealThroughLocked(int64_t step, int64_t generation) {
-  for (int64_t s = static_cast<int64_t>(sealed_.size()); s <= step; ++s) {
+  for (int64_t s = next_unsealed_; s <= step; ++s) {
     const PolicyInfo& policy = PolicyForStepLocked(s);
     PlanInput input;
     input.step = s;
@@ -169,7 +180,7 @@ absl::Status ScheduleLog::SealThroughLocked(int64_t step, int64_t generation) {
         return st;
     }
     checkpoint_requests_.erase(s);
-    sealed_.push_back(std::move(sealed));
+    AppendSealed(std::move(sealed));
   }
   return absl::OkStatus();
 }
@@ -181,13 +192,16 @@ absl::StatusOr<ScheduleRead> ScheduleLog::GetSchedule(int64_t step,
     return absl::InvalidArgumentError(
         absl::StrCat("step ", step, " is negative"));
   }
+  // Fast path: a sealed step needs only the sealed-steps lock.
+  if (std::shared_ptr<const SealedSchedule> sealed = FindSealed(step)) {
+    return ScheduleRead{std::move(sealed), false};
+  }
   absl::MutexLock lock(&mu_);
   while (true) {
-    if (shutdown_)
+    if (shutdown_) {
       return absl::UnavailableError("coordinator is shutting down");
-    if (step < static_cast<int64_t>(sealed_.size())) {
-      return ScheduleRead{sealed_[step], false};
     }
+    if (step < next_unsealed_) return ScheduleRead{FindSealed(step), false};
     if (drain_step_ >= 0 && step > drain_step_)
       return ScheduleRead{nullptr, true};
     if (planner_ == nullptr) {
@@ -204,12 +218,12 @@ absl::StatusOr<ScheduleRead> ScheduleLog::GetSchedule(int64_t step,
     if (step <= floor + 1 + options_.read_ahead) {
       if (absl::Status s = SealThroughLocked(step, generation); !s.ok())
         return s;
-      return ScheduleRead{sealed_[step], false};
+      return ScheduleRead{FindSealed(step), false};
     }
     // Inside the refusal limit but past the window: wait for the slowest rank
     // (or for a drain, a shutdown, or another reader to seal it).
     auto movable = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      return shutdown_ || step < static_cast<int64_t>(sealed_.size()) ||
+      return shutdown_ || step < next_unsealed_ ||
              (drain_step_ >= 0 && step > drain_step_) ||
              step <= FloorLocked() + 1 + options_.read_ahead;
     };
@@ -225,15 +239,12 @@ absl::StatusOr<ScheduleRead> ScheduleLog::GetSchedule(int64_t step,
 
 absl::StatusOr<std::shared_ptr<const SealedSchedule>> ScheduleLog::GetSealed(
     int64_t step) const {
-  absl::MutexLock lock(&mu_);
-  if (step < 0 || step >= static_cast<int64_t>(sealed_.size())) {
-    return absl::NotFoundError(
-        absl::StrCat("step ", step, " is not sealed (sealed: ",
-                     sealed_.empty() ? std::string("none")
-                                     : absl::StrCat("0..", sealed_.size() - 1),
-                     ")"));
-  }
-  return sealed_[step];
+  if (std::shared_ptr<const SealedSchedule> sealed = FindSealed(step))
+    return sealed;
+  const int64_t last = sealed_step();
+  return absl::NotFoundError(absl::StrCat(
+      "step ", step, " is not sealed (sealed: ",
+      last < 0 ? std::string("none") : absl::StrCat("0..", last), ")"));
 }
 
 absl::StatusOr<PolicyInfo> ScheduleLog::SetPolicy(
@@ -245,8 +256,7 @@ absl::StatusOr<PolicyInfo> ScheduleLog::SetPolicy(
       !s.ok()) {
     return s;
   }
-  PolicyInfo info{policy, policies_.back().version + 1,
-                  static_cast<int64_t>(sealed_.size())};
+  PolicyInfo info{policy, policies_.back().version + 1, next_unsealed_};
   policies_.push_back(info);
   if (absl::Status s = PersistLocked(); !s.ok()) {
     policies_.pop_back();
@@ -267,7 +277,7 @@ std::vector<PolicyInfo> ScheduleLog::PolicyHistory() const {
 
 absl::StatusOr<int64_t> ScheduleLog::RequestCheckpoint() {
   absl::MutexLock lock(&mu_);
-  const int64_t step = static_cast<int64_t>(sealed_.size());
+  const int64_t step = next_unsealed_;
   if (drain_step_ >= 0 && step > drain_step_) {
     return absl::FailedPreconditionError(
         absl::StrCat("the job is draining: its last step ", drain_step_,
@@ -284,7 +294,7 @@ absl::StatusOr<int64_t> ScheduleLog::RequestCheckpoint() {
 absl::StatusOr<int64_t> ScheduleLog::Drain() {
   absl::MutexLock lock(&mu_);
   if (drain_step_ >= 0) return drain_step_;
-  drain_step_ = static_cast<int64_t>(sealed_.size());
+  drain_step_ = next_unsealed_;
   if (absl::Status s = PersistLocked(); !s.ok()) {
     drain_step_ = -1;
     return s;
@@ -304,7 +314,17 @@ absl::Status ScheduleLog::RecordReport(const hsdp::v1::StepReport& report) {
   }
   absl::MutexLock lock(&mu_);
   int64_t& completed = completed_[report.rank()];
-  completed = std::max(completed, report.step());
+  if (report.step() > completed) {
+    const int64_t old = completed;
+    completed = report.step();
+    if (old == min_completed_ && --ranks_at_min_ == 0) {
+      // The last rank at the minimum moved: recompute (once per advance of the
+      // floor).
+      min_completed_ = *std::min_element(completed_.begin(), completed_.end());
+      ranks_at_min_ = static_cast<int>(
+          std::count(completed_.begin(), completed_.end(), min_completed_));
+    }
+  }
   if (planner_ != nullptr && report.peak_memory_bytes() > 0) {
     planner_->ObservePeakMemory(report.step(), report.peak_memory_bytes());
   }
@@ -331,7 +351,7 @@ void ScheduleLog::Shutdown() {
 }
 
 int64_t ScheduleLog::sealed_step() const {
-  absl::MutexLock lock(&mu_);
+  absl::ReaderMutexLock lock(&sealed_mu_);
   return static_cast<int64_t>(sealed_.size()) - 1;
 }
 
@@ -347,7 +367,7 @@ int64_t ScheduleLog::last_checkpoint_step() const {
 
 int64_t ScheduleLog::min_completed_step() const {
   absl::MutexLock lock(&mu_);
-  return *std::min_element(completed_.begin(), completed_.end());
+  return min_completed_;
 }
 
 double ScheduleLog::memory_correction() const {

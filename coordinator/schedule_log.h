@@ -167,6 +167,11 @@ class ScheduleLog {
   const PolicyInfo& PolicyForStepLocked(int64_t step) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   int64_t FloorLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The sealed step, or null.
+  std::shared_ptr<const SealedSchedule> FindSealed(int64_t step) const
+      ABSL_LOCKS_EXCLUDED(sealed_mu_);
+  void AppendSealed(std::shared_ptr<const SealedSchedule> sealed)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status SealThroughLocked(int64_t step, int64_t generation)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status RestoreLocked(const hsdp::v1::Policy& initial_policy)
@@ -180,9 +185,19 @@ class ScheduleLog {
   mutable absl::Mutex mu_;
   std::vector<PolicyInfo> policies_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<Planner> planner_ ABSL_GUARDED_BY(mu_);
+  // Steps [0, next_unsealed_) are sealed. Sealing holds mu_ (planning,
+  // persisting) and appends under sealed_mu_ too, so reads of sealed steps only
+  // take sealed_mu_ and are never stalled behind a seal's fsync.
+  int64_t next_unsealed_ ABSL_GUARDED_BY(mu_) = 0;
+  mutable absl::Mutex sealed_mu_ ABSL_ACQUIRED_AFTER(mu_);
   std::vector<std::shared_ptr<const SealedSchedule>> sealed_
-      ABSL_GUARDED_BY(mu_);
+      ABSL_GUARDED_BY(sealed_mu_);
+  // Highest completed step per rank, with its minimum and how many ranks sit at
+  // it, kept incrementally so a report costs O(1) amortized even with 1000+
+  // ranks.
   std::vector<int64_t> completed_ ABSL_GUARDED_BY(mu_);
+  int64_t min_completed_ ABSL_GUARDED_BY(mu_) = -1;
+  int ranks_at_min_ ABSL_GUARDED_BY(mu_) = 0;
   // Lower bound on the floor after a restart (the window as it was when the
   // last restored step was sealed), since completed steps are not persisted.
   int64_t restored_floor_ ABSL_GUARDED_BY(mu_) = -1;

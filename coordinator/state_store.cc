@@ -71,7 +71,8 @@ absl::Status RemoveTempFiles(const fs::path& dir) {
   std::error_code ec;
   for (const auto& entry : fs::directory_iterator(dir, ec)) {
     if (absl::EndsWith(entry.path().filename().string(), kTempSuffix)) {
-      std::error_code ignored;  // a leftover we cannot remove is still ignored on load
+      std::error_code
+          ignored;  // a leftover we cannot remove is still ignored on load
       fs::remove(entry.path(), ignored);
     }
   }
