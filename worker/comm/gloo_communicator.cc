@@ -2,8 +2,10 @@
 
 #include <chrono>
 #include <cstring>
+#include <deque>
 #include <exception>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -65,18 +67,86 @@ struct WorkState {
 
 struct GlooCommunicator::Task {
   std::string what;
-  std::function<void(uint32_t tag)> run;
+  std::function<void(Core& core, uint32_t tag)> run;
   uint32_t tag = 0;
   std::shared_ptr<WorkState> state;
+};
+
+// Everything a collective needs to execute. Thread-safety: the queue and flags
+// are guarded by `mu`; the execution state below them belongs to whichever
+// thread holds the `running` token (claimed and released under `mu`), so only
+// one collective ever executes at a time.
+struct GlooCommunicator::Core {
+  Core(std::shared_ptr<gloo::Context> context, std::string name, int rank,
+       int size, absl::Duration timeout)
+      : context(std::move(context)),
+        name(std::move(name)),
+        rank(rank),
+        size(size),
+        timeout(timeout) {}
+
+  std::string Describe(const std::string& what) const {
+    return absl::StrCat(what, " on ", name, " (rank ", rank, " of ", size, ")");
+  }
+
+  // Converts the in-flight exception of a failed collective into a Status.
+  absl::Status CurrentExceptionToStatus(const std::string& what) const;
+
+  // Runs `task` and completes its Work. Caller holds the running token.
+  void Execute(Task& task);
+
+  // Claims the running token and pops the head task if it may start now and
+  // (when `only` is set) is the task with that state.
+  std::unique_ptr<Task> ClaimHead(const WorkState* only)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    if (running || queue.empty()) return nullptr;
+    if (only != nullptr && queue.front()->state.get() != only) return nullptr;
+    std::unique_ptr<Task> task = std::move(queue.front());
+    queue.pop_front();
+    running = true;
+    return task;
+  }
+
+  const std::shared_ptr<gloo::Context> context;
+  const std::string name;
+  const int rank;
+  const int size;
+  const absl::Duration timeout;
+
+  absl::Mutex mu;
+  std::deque<std::unique_ptr<Task>> queue ABSL_GUARDED_BY(mu);
+  bool running ABSL_GUARDED_BY(mu) = false;
+  bool stopping ABSL_GUARDED_BY(mu) = false;
+  uint64_t issued ABSL_GUARDED_BY(mu) = 0;
+
+  // Owned by the running-token holder: the first failure (makes the
+  // communicator unusable) and the reduce-scatter receive buffer, kept across
+  // calls to avoid a large allocation per call.
+  absl::Status broken;
+  std::vector<char> scratch;
 };
 
 // Thread-compatible handle (one waiter), see Work.
 class GlooCommunicator::GlooWork final : public Work {
  public:
-  explicit GlooWork(std::shared_ptr<WorkState> state)
-      : state_(std::move(state)) {}
+  GlooWork(std::shared_ptr<WorkState> state, std::shared_ptr<Core> core)
+      : state_(std::move(state)), core_(std::move(core)) {}
 
   absl::Status Wait() override {
+    if (core_ != nullptr) {
+      // Next in line and not started: run it here rather than wake the comm
+      // thread and sleep (the caller would block anyway).
+      std::unique_ptr<Task> task;
+      {
+        absl::MutexLock lock(&core_->mu);
+        task = core_->ClaimHead(state_.get());
+      }
+      if (task != nullptr) {
+        core_->Execute(*task);
+        absl::MutexLock lock(&core_->mu);
+        core_->running = false;
+      }
+    }
     absl::MutexLock lock(&state_->mu);
     state_->mu.Await(absl::Condition(&state_->done));
     return state_->status;
@@ -92,6 +162,7 @@ class GlooCommunicator::GlooWork final : public Work {
 
  private:
   std::shared_ptr<WorkState> state_;
+  std::shared_ptr<Core> core_;  // null for Works failed at issue
 };
 
 absl::StatusOr<std::shared_ptr<gloo::transport::Device>> CreateGlooDevice(
@@ -163,37 +234,52 @@ absl::StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::Create(
                                   : absl::StatusCode::kUnavailable,
                         absl::StrCat(where, ": ", e.what()));
   }
-  return std::unique_ptr<GlooCommunicator>(new GlooCommunicator(
-      std::move(context), options.name, rank, size, options.timeout));
+  return std::unique_ptr<GlooCommunicator>(
+      new GlooCommunicator(std::make_shared<Core>(
+          std::move(context), options.name, rank, size, options.timeout)));
 }
 
-GlooCommunicator::GlooCommunicator(std::shared_ptr<gloo::Context> context,
-                                   std::string name, int rank, int size,
-                                   absl::Duration timeout)
-    : context_(std::move(context)),
-      name_(std::move(name)),
-      rank_(rank),
-      size_(size),
-      timeout_(timeout) {
-  thread_ = std::thread([this] { Loop(); });
+GlooCommunicator::GlooCommunicator(std::shared_ptr<Core> core)
+    : name_(core->name),
+      rank_(core->rank),
+      size_(core->size),
+      timeout_(core->timeout),
+      core_(std::move(core)) {
+  thread_ = std::thread([core = core_] {
+    for (;;) {
+      std::unique_ptr<Task> task;
+      {
+        absl::MutexLock lock(&core->mu);
+        auto ready = [&core]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(core->mu) -> bool {
+          return !core->running && (core->stopping || !core->queue.empty());
+        };
+        core->mu.Await(absl::Condition(&ready));
+        // Drain: stop only once everything issued has run.
+        if (core->queue.empty()) return;
+        task = core->ClaimHead(nullptr);
+      }
+      core->Execute(*task);
+      absl::MutexLock lock(&core->mu);
+      core->running = false;
+    }
+  });
 }
 
 GlooCommunicator::~GlooCommunicator() {
   {
-    absl::MutexLock lock(&mu_);
-    stopping_ = true;
+    absl::MutexLock lock(&core_->mu);
+    core_->stopping = true;
   }
   thread_.join();
-  // context_ (and with it the TCP pairs) goes when the last reference does:
-  // here.
+  // The TCP pairs close when the last Core reference goes (here, unless a Work
+  // handle is still alive).
 }
 
 std::string GlooCommunicator::Describe(const std::string& what) const {
-  return absl::StrCat(what, " on ", name_, " (rank ", rank_, " of ", size_,
-                      ")");
+  return core_->Describe(what);
 }
 
-absl::Status GlooCommunicator::CurrentExceptionToStatus(
+absl::Status GlooCommunicator::Core::CurrentExceptionToStatus(
     const std::string& what) const {
   const std::string where = Describe(what);
   try {
@@ -202,7 +288,7 @@ absl::Status GlooCommunicator::CurrentExceptionToStatus(
     const std::string text = e.what();
     if (absl::StrContains(text, kGlooTimeoutText)) {
       return absl::DeadlineExceededError(absl::StrCat(
-          where, " timed out after ", absl::FormatDuration(timeout_),
+          where, " timed out after ", absl::FormatDuration(timeout),
           ": a peer of this group did not take part (never issued it, stuck, "
           "or dead); Gloo: ",
           text));
@@ -221,64 +307,49 @@ absl::Status GlooCommunicator::CurrentExceptionToStatus(
   }
 }
 
-void GlooCommunicator::Loop() {
-  for (;;) {
-    std::unique_ptr<Task> task;
-    {
-      absl::MutexLock lock(&mu_);
-      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        return stopping_ || !queue_.empty();
-      };
-      mu_.Await(absl::Condition(&ready));
-      // Drain: stop only once everything issued has run.
-      if (queue_.empty()) return;
-      task = std::move(queue_.front());
-      queue_.pop_front();
-    }
-    if (!broken_.ok()) {
-      task->state->Complete(
-          absl::Status(
-              broken_.code(),
-              absl::StrCat(Describe(task->what),
-                           " not run: the communicator failed earlier: ",
-                           broken_.message())),
-          0);
-      continue;
-    }
-    const absl::Time start = absl::Now();
-    absl::Status status;
-    try {
-      task->run(task->tag);
-    } catch (...) {
-      status = CurrentExceptionToStatus(task->what);
-      broken_ = status;
-    }
-    task->state->Complete(std::move(status),
-                          absl::ToDoubleSeconds(absl::Now() - start));
+void GlooCommunicator::Core::Execute(Task& task) {
+  if (!broken.ok()) {
+    task.state->Complete(
+        absl::Status(broken.code(),
+                     absl::StrCat(Describe(task.what),
+                                  " not run: the communicator failed earlier: ",
+                                  broken.message())),
+        0);
+    return;
   }
+  const absl::Time start = absl::Now();
+  absl::Status status;
+  try {
+    task.run(*this, task.tag);
+  } catch (...) {
+    status = CurrentExceptionToStatus(task.what);
+    broken = status;
+  }
+  task.state->Complete(std::move(status),
+                       absl::ToDoubleSeconds(absl::Now() - start));
 }
 
 std::unique_ptr<Work> GlooCommunicator::Enqueue(
-    std::string what, std::function<void(uint32_t tag)> run) {
+    std::string what, std::function<void(Core& core, uint32_t tag)> run) {
   auto task = std::make_unique<Task>();
   task->run = std::move(run);
   task->state = std::make_shared<WorkState>();
-  auto work = std::make_unique<GlooWork>(task->state);
-  absl::MutexLock lock(&mu_);
+  auto work = std::make_unique<GlooWork>(task->state, core_);
+  absl::MutexLock lock(&core_->mu);
   // Tags only need to differ between collectives in flight at once; the issue
   // counter (the same on every rank by the ordering contract) gives that,
   // wrapping after 2^32 calls.
-  task->tag = static_cast<uint32_t>(issued_);
-  task->what = absl::StrCat(what, " #", issued_);
-  ++issued_;
-  queue_.push_back(std::move(task));
+  task->tag = static_cast<uint32_t>(core_->issued);
+  task->what = absl::StrCat(what, " #", core_->issued);
+  ++core_->issued;
+  core_->queue.push_back(std::move(task));
   return work;
 }
 
 std::unique_ptr<Work> GlooCommunicator::Failed(absl::Status status) {
   auto state = std::make_shared<WorkState>();
   state->Complete(std::move(status), 0);
-  return std::make_unique<GlooWork>(std::move(state));
+  return std::make_unique<GlooWork>(std::move(state), nullptr);
 }
 
 std::unique_ptr<Work> GlooCommunicator::AllGather(const Buffer& input,
@@ -295,14 +366,14 @@ std::unique_ptr<Work> GlooCommunicator::AllGather(const Buffer& input,
   char* out = static_cast<char*>(output.data);
   const bool in_place = input.data == out + rank_ * bytes;
   return Enqueue(absl::StrCat("AllGather(", bytes, " B/rank)"),
-                 [this, in = static_cast<char*>(input.data), out, bytes,
-                  in_place](uint32_t tag) {
+                 [in = static_cast<char*>(input.data), out, bytes, in_place](
+                     Core& core, uint32_t tag) {
                    if (bytes == 0) return;
-                   gloo::AllgatherOptions opts(context_);
+                   gloo::AllgatherOptions opts(core.context);
                    // Without an input Gloo takes this rank's part from the
                    // output (in place).
                    if (!in_place) opts.setInput(in, bytes);
-                   opts.setOutput(out, bytes * size_);
+                   opts.setOutput(out, bytes * core.size);
                    opts.setTag(tag);
                    gloo::allgather(opts);
                  });
@@ -321,24 +392,24 @@ std::unique_ptr<Work> GlooCommunicator::ReduceScatter(const Buffer& input,
   }
   const DataType dtype = input.dtype;
   const int64_t count = output.count;
-  return Enqueue(absl::StrCat("ReduceScatter(", output.bytes(), " B/rank, ",
-                              DataTypeName(dtype), ")"),
-                 [this, in = static_cast<char*>(input.data), out = output.data,
-                  count, dtype, op](uint32_t tag) {
-                   if (count == 0) return;
-                   const size_t total_bytes =
-                       static_cast<size_t>(count) * ElementSize(dtype) * size_;
-                   if (scratch_.size() < total_bytes)
-                     scratch_.resize(total_bytes);
-                   // After the all-to-all, scratch chunk r holds rank r's
-                   // contribution to our shard.
-                   gloo::AlltoallOptions opts(context_);
-                   opts.setInput(in, total_bytes);
-                   opts.setOutput(scratch_.data(), total_bytes);
-                   opts.setTag(tag);
-                   gloo::alltoall(opts);
-                   ReduceChunks(scratch_.data(), size_, count, dtype, op, out);
-                 });
+  return Enqueue(
+      absl::StrCat("ReduceScatter(", output.bytes(), " B/rank, ",
+                   DataTypeName(dtype), ")"),
+      [in = static_cast<char*>(input.data), out = output.data, count, dtype,
+       op](Core& core, uint32_t tag) {
+        if (count == 0) return;
+        const size_t total_bytes =
+            static_cast<size_t>(count) * ElementSize(dtype) * core.size;
+        if (core.scratch.size() < total_bytes) core.scratch.resize(total_bytes);
+        // After the all-to-all, scratch chunk r holds rank r's
+        // contribution to our shard.
+        gloo::AlltoallOptions opts(core.context);
+        opts.setInput(in, total_bytes);
+        opts.setOutput(core.scratch.data(), total_bytes);
+        opts.setTag(tag);
+        gloo::alltoall(opts);
+        ReduceChunks(core.scratch.data(), core.size, count, dtype, op, out);
+      });
 }
 
 std::unique_ptr<Work> GlooCommunicator::AllReduce(const Buffer& buffer,
@@ -347,10 +418,10 @@ std::unique_ptr<Work> GlooCommunicator::AllReduce(const Buffer& buffer,
   const size_t element_size = ElementSize(dtype);
   return Enqueue(absl::StrCat("AllReduce(", buffer.bytes(), " B, ",
                               DataTypeName(dtype), ")"),
-                 [this, data = static_cast<char*>(buffer.data),
-                  count = buffer.count, element_size, dtype, op](uint32_t tag) {
+                 [data = static_cast<char*>(buffer.data), count = buffer.count,
+                  element_size, dtype, op](Core& core, uint32_t tag) {
                    if (count == 0) return;
-                   gloo::AllreduceOptions opts(context_);
+                   gloo::AllreduceOptions opts(core.context);
                    // Gloo only needs the element size (it splits segments on
                    // element boundaries); the reduce function does the dtype's
                    // arithmetic.
@@ -364,7 +435,7 @@ std::unique_ptr<Work> GlooCommunicator::AllReduce(const Buffer& buffer,
                    opts.setTag(tag);
                    gloo::allreduce(opts);
                    if (op == ReduceOp::kAvg)
-                     DivideBuffer(dtype, data, count, size_);
+                     DivideBuffer(dtype, data, count, core.size);
                  });
 }
 
@@ -376,10 +447,10 @@ std::unique_ptr<Work> GlooCommunicator::Broadcast(const Buffer& buffer,
   }
   return Enqueue(
       absl::StrCat("Broadcast(", buffer.bytes(), " B from ", root, ")"),
-      [this, data = static_cast<char*>(buffer.data), bytes = buffer.bytes(),
-       root](uint32_t tag) {
+      [data = static_cast<char*>(buffer.data), bytes = buffer.bytes(), root](
+          Core& core, uint32_t tag) {
         if (bytes == 0) return;
-        gloo::BroadcastOptions opts(context_);
+        gloo::BroadcastOptions opts(core.context);
         opts.setOutput(data, bytes);
         opts.setRoot(root);
         opts.setTag(tag);
@@ -388,8 +459,8 @@ std::unique_ptr<Work> GlooCommunicator::Broadcast(const Buffer& buffer,
 }
 
 std::unique_ptr<Work> GlooCommunicator::Barrier() {
-  return Enqueue("Barrier", [this](uint32_t tag) {
-    gloo::BarrierOptions opts(context_);
+  return Enqueue("Barrier", [](Core& core, uint32_t tag) {
+    gloo::BarrierOptions opts(core.context);
     opts.setTag(tag);
     gloo::barrier(opts);
   });

@@ -15,17 +15,13 @@
 #define HSDP_WORKER_COMM_GLOO_COMMUNICATOR_H_
 
 #include <cstdint>
-#include <deque>
 #include <functional>
 #include <memory>
 #include <string>
 #include <thread>
-#include <vector>
 
-#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "worker/comm/communicator.h"
 #include "worker/comm/store.h"
@@ -61,8 +57,10 @@ struct GlooCommunicatorOptions {
 
 // Thread-safety: the Communicator methods may be called from any thread but, as
 // the interface says, in the same order on every rank; issuing is serialised
-// internally by a mutex. The collectives themselves run on the communicator's
-// own thread.
+// internally by a mutex. Collectives execute one at a time in issue order on
+// the communicator's own thread — except that Wait() on a collective that is
+// next in line and not yet started runs it on the waiting thread (same order,
+// no thread hand-off when the caller would block anyway).
 class GlooCommunicator final : public Communicator {
  public:
   // Rendezvous of `size` ranks through `store` under `prefix` (distinct per
@@ -101,41 +99,28 @@ class GlooCommunicator final : public Communicator {
   absl::Duration timeout() const { return timeout_; }
 
  private:
+  struct Core;
   struct Task;
   class GlooWork;
 
-  GlooCommunicator(std::shared_ptr<gloo::Context> context, std::string name,
-                   int rank, int size, absl::Duration timeout);
+  explicit GlooCommunicator(std::shared_ptr<Core> core);
 
-  // Queues `run` (executed on the comm thread with a fresh tag) and returns its
-  // Work.
-  std::unique_ptr<Work> Enqueue(std::string what,
-                                std::function<void(uint32_t tag)> run);
+  // Queues `run` (executed in issue order with the collective's tag) and
+  // returns its Work.
+  std::unique_ptr<Work> Enqueue(
+      std::string what, std::function<void(Core& core, uint32_t tag)> run);
   // A Work already completed with `status` (argument errors found at issue
   // time).
   std::unique_ptr<Work> Failed(absl::Status status);
-  void Loop();
-  // Converts the in-flight exception of a failed collective into a Status.
-  absl::Status CurrentExceptionToStatus(const std::string& what) const;
   std::string Describe(const std::string& what) const;
 
-  const std::shared_ptr<gloo::Context> context_;
   const std::string name_;
   const int rank_;
   const int size_;
   const absl::Duration timeout_;
-
-  absl::Mutex mu_;
-  std::deque<std::unique_ptr<Task>> queue_ ABSL_GUARDED_BY(mu_);
-  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  uint64_t issued_ ABSL_GUARDED_BY(mu_) = 0;
-
-  // Comm-thread only: first failure (makes the communicator unusable) and the
-  // reduce-scatter receive buffer, kept across calls to avoid a large
-  // allocation per call.
-  absl::Status broken_;
-  std::vector<char> scratch_;
-
+  // Queue, Gloo context and execution state; shared with the Work handles so a
+  // Work may outlive the communicator.
+  const std::shared_ptr<Core> core_;
   std::thread thread_;
 };
 
