@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "common/policy.h"
 #include "common/units.h"
 
 namespace hsdp::coordinator::testing {
@@ -35,6 +36,14 @@ inline UnitList MakeUnits(int64_t root_bytes,
 // root + `layers` equal layers of 400 bytes.
 inline UnitList MakeUnits(int layers) {
   return MakeUnits(1000, std::vector<int64_t>(layers, 400));
+}
+
+// Parses a test policy (text or JSON); a parse error fails the test and yields
+// {}.
+inline hsdp::v1::Policy P(const char* text) {
+  absl::StatusOr<hsdp::v1::Policy> p = ParsePolicy(text);
+  EXPECT_TRUE(p.ok()) << p.status();
+  return p.ok() ? *p : hsdp::v1::Policy();
 }
 
 // A fresh empty directory under the test temp dir, unique per test.

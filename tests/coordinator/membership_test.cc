@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <functional>
+
 #include "tests/coordinator/core_test_util.h"
 
 namespace hsdp::coordinator {
@@ -37,6 +39,19 @@ class MembershipTest : public ::testing::Test {
     args.model = "gpt-tiny";
     args.units = std::move(units);
     return args;
+  }
+
+  // Joins ranks 0 ("a") and 1 ("b") of a 1xworld job persisted in `dir`, as a
+  // coordinator that then dies; `before_exit` may change more.
+  void PersistTwoMembers(
+      const std::string& dir, int world,
+      const std::function<void(Membership&)>& before_exit = nullptr) {
+    auto store = StateStore::Open(dir);
+    ASSERT_TRUE(store.ok());
+    auto m = Make(world, {1, world}, store->get());
+    ASSERT_TRUE(m->Join(Args(0, "a")).ok());
+    ASSERT_TRUE(m->Join(Args(1, "b")).ok());
+    if (before_exit) before_exit(*m);
   }
 
   FakeClock clock_;
@@ -181,14 +196,8 @@ TEST_F(MembershipTest, RejectsBadOptions) {
 
 TEST_F(MembershipTest, RestoresAfterCoordinatorRestart) {
   const std::string dir = FreshDir("state");
-  {
-    auto store = StateStore::Open(dir);
-    ASSERT_TRUE(store.ok());
-    auto m = Make(3, {1, 3}, store->get());
-    ASSERT_TRUE(m->Join(Args(0, "a")).ok());
-    ASSERT_TRUE(m->Join(Args(1, "b")).ok());
-    EXPECT_EQ(m->BumpGeneration(), 1);
-  }
+  PersistTwoMembers(dir, 3,
+                    [](Membership& m) { EXPECT_EQ(m.BumpGeneration(), 1); });
   auto store = StateStore::Open(dir);
   ASSERT_TRUE(store.ok());
   auto m = Make(3, {1, 3}, store->get());
@@ -222,13 +231,7 @@ TEST_F(MembershipTest, RestoresAfterCoordinatorRestart) {
 
 TEST_F(MembershipTest, RestoredSilentWorkersGetLost) {
   const std::string dir = FreshDir("state");
-  {
-    auto store = StateStore::Open(dir);
-    ASSERT_TRUE(store.ok());
-    auto m = Make(2, {1, 2}, store->get());
-    ASSERT_TRUE(m->Join(Args(0, "a")).ok());
-    ASSERT_TRUE(m->Join(Args(1, "b")).ok());
-  }
+  PersistTwoMembers(dir, 2);
   auto store = StateStore::Open(dir);
   ASSERT_TRUE(store.ok());
   auto m = Make(2, {1, 2}, store->get());

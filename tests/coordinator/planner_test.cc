@@ -11,12 +11,7 @@ namespace {
 using hsdp::v1::Policy;
 using hsdp::v1::StepSchedule;
 using testing::MakeUnits;
-
-Policy P(const char* text) {
-  absl::StatusOr<Policy> p = ParsePolicy(text);
-  EXPECT_TRUE(p.ok()) << p.status();
-  return p.ok() ? *p : Policy();
-}
+using testing::P;
 
 std::vector<int> Fwd(const StepSchedule& s, int unit) {
   const auto& l = s.units(unit).forward_prefetch();

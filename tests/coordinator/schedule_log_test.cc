@@ -15,15 +15,10 @@ namespace {
 using hsdp::v1::Policy;
 using testing::FreshDir;
 using testing::MakeUnits;
+using testing::P;
 
 constexpr absl::Duration kWait = absl::Seconds(20);
 constexpr absl::Duration kShort = absl::Milliseconds(50);
-
-Policy P(const char* text) {
-  absl::StatusOr<Policy> p = ParsePolicy(text);
-  EXPECT_TRUE(p.ok()) << p.status();
-  return p.ok() ? *p : Policy();
-}
 
 std::unique_ptr<ScheduleLog> MakeLog(int world, int read_ahead,
                                      StateStore* store = nullptr,
