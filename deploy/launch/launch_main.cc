@@ -1,0 +1,454 @@
+// hsdp-launch: a local cluster on this machine, like `torchrun --standalone`.
+//
+//   hsdp-launch --workers 4 --mesh 2x2 --model gpt-tiny --steps 200 [-- extra
+//   hsdp-worker flags]
+//
+// Starts hsdp-coordinator and N hsdp-worker processes (found next to this
+// binary), shows one live progress line read from the workers' report files,
+// forwards Ctrl-C / SIGTERM to every child and cleans up, and exits non-zero
+// naming the first worker that failed and why (the last line of its log).
+// Everything a run writes (logs, reports, coordinator state) lands in
+// --run-dir.
+//
+// Single-threaded: the main loop polls children and report files; signal
+// handlers only set a flag.
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "common/mesh.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr int kExitFailure = 1;
+constexpr int kExitUsage = 2;
+constexpr auto kPollInterval = std::chrono::milliseconds(200);
+constexpr auto kCoordinatorStartTimeout = std::chrono::seconds(30);
+// How long children get between SIGTERM and SIGKILL when we shut the cluster
+// down.
+constexpr auto kTerminateGrace = std::chrono::seconds(5);
+constexpr double kMiB = 1024.0 * 1024.0;
+
+volatile std::sig_atomic_t g_signal = 0;
+void OnSignal(int sig) { g_signal = sig; }
+
+struct Child {
+  std::string name;
+  pid_t pid = -1;
+  std::string log;
+  bool running = false;
+  int exit_status = 0;  // raw waitpid status once exited
+};
+
+// Forks and execs `argv` with stdout+stderr appended to `log`. The child dies
+// with the launcher (PDEATHSIG) so a SIGKILLed launcher leaves no orphans.
+absl::StatusOr<pid_t> Spawn(const std::vector<std::string>& argv,
+                            const std::string& log) {
+  const pid_t parent = getpid();
+  const pid_t pid = fork();
+  if (pid < 0)
+    return absl::InternalError(absl::StrCat("fork: ", std::strerror(errno)));
+  if (pid == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGTERM);
+    if (getppid() != parent) _exit(kExitFailure);
+    const int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+    if (fd >= 0) {
+      dup2(fd, STDOUT_FILENO);
+      dup2(fd, STDERR_FILENO);
+      close(fd);
+    }
+    std::vector<char*> args;
+    for (const std::string& a : argv)
+      args.push_back(const_cast<char*>(a.c_str()));
+    args.push_back(nullptr);
+    execv(args[0], args.data());
+    std::fprintf(stderr, "exec %s: %s\n", args[0], std::strerror(errno));
+    _exit(127);
+  }
+  return pid;
+}
+
+std::string LastLine(const std::string& path) {
+  std::ifstream in(path);
+  std::string line, last;
+  while (std::getline(in, line)) {
+    if (!line.empty()) last = line;
+  }
+  return last;
+}
+
+std::string DescribeExit(int status) {
+  if (WIFEXITED(status))
+    return absl::StrCat("exit status ", WEXITSTATUS(status));
+  if (WIFSIGNALED(status))
+    return absl::StrCat("killed by signal ", WTERMSIG(status));
+  return "stopped";
+}
+
+// Minimal field extraction from the worker's flat JSON report lines (no
+// nesting, no escapes).
+std::optional<double> JsonNumber(const std::string& line,
+                                 const std::string& key) {
+  const std::string needle = absl::StrCat("\"", key, "\":");
+  const size_t at = line.find(needle);
+  if (at == std::string::npos) return std::nullopt;
+  const size_t begin = at + needle.size();
+  const size_t end = line.find_first_of(",}", begin);
+  double v;
+  if (!absl::SimpleAtod(line.substr(begin, end - begin), &v))
+    return std::nullopt;
+  return v;
+}
+
+std::string BinDir() {
+  std::error_code ec;
+  fs::path self = fs::read_symlink("/proc/self/exe", ec);
+  return ec ? std::string(".") : self.parent_path().string();
+}
+
+class Cluster {
+ public:
+  ~Cluster() { Terminate(); }
+
+  void Add(Child child) { children_.push_back(std::move(child)); }
+  std::vector<Child>& children() { return children_; }
+
+  // Reaps exited children; returns the first that exited non-zero since the
+  // last call, if any.
+  std::optional<Child> Reap() {
+    std::optional<Child> failed;
+    for (Child& c : children_) {
+      if (!c.running) continue;
+      int status = 0;
+      if (waitpid(c.pid, &status, WNOHANG) == c.pid) {
+        c.running = false;
+        c.exit_status = status;
+        const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
+        if (!ok && !failed) failed = c;
+      }
+    }
+    return failed;
+  }
+
+  // SIGTERM to all running children, SIGKILL after the grace period.
+  void Terminate() {
+    for (Child& c : children_) {
+      if (c.running) kill(c.pid, SIGTERM);
+    }
+    const auto deadline = std::chrono::steady_clock::now() + kTerminateGrace;
+    while (std::chrono::steady_clock::now() < deadline && AnyRunning()) {
+      Reap();
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    for (Child& c : children_) {
+      if (!c.running) continue;
+      kill(c.pid, SIGKILL);
+      waitpid(c.pid, &c.exit_status, 0);
+      c.running = false;
+    }
+  }
+
+  bool AnyRunning() const {
+    return std::any_of(children_.begin(), children_.end(),
+                       [](const Child& c) { return c.running; });
+  }
+
+ private:
+  std::vector<Child> children_;
+};
+
+struct Options {
+  int workers = 0;
+  std::string mesh;
+  std::string model = "gpt-tiny";
+  int64_t steps = 100;
+  std::string policy_file;
+  int port = 0;
+  std::string job_id = "local";
+  std::string run_dir;
+  std::string bin_dir;
+  std::vector<std::string> worker_args;
+};
+
+// One status line: step, mean loss, tokens/s (sum over ranks), step time,
+// per-rank peak memory.
+std::string ProgressLine(const Options& o,
+                         const std::vector<std::string>& reports) {
+  double loss = 0, tps = 0, step_s = 0;
+  int64_t step = -1;
+  int have = 0;
+  std::vector<std::string> mem;
+  for (size_t r = 0; r < reports.size(); ++r) {
+    const std::string line = LastLine(reports[r]);
+    auto s = JsonNumber(line, "step");
+    if (!s) {
+      mem.push_back("-");
+      continue;
+    }
+    ++have;
+    step = step < 0 ? static_cast<int64_t>(*s) : std::min<int64_t>(step, *s);
+    loss = JsonNumber(line, "loss").value_or(0);
+    tps += JsonNumber(line, "tokens_per_second").value_or(0);
+    step_s = std::max(step_s, JsonNumber(line, "step_seconds").value_or(0));
+    mem.push_back(absl::StrFormat(
+        "%.1f/%.0f", JsonNumber(line, "peak_memory_bytes").value_or(0) / kMiB,
+        JsonNumber(line, "rss_peak_bytes").value_or(0) / kMiB));
+  }
+  if (have == 0) return "waiting for workers...";
+  return absl::StrFormat(
+      "step %d/%d  loss %.4f  %.0f tok/s  step %.3fs  peak MiB (params/rss) %s",
+      step + 1, o.steps, loss, tps, step_s, absl::StrJoin(mem, " "));
+}
+
+absl::StatusOr<int> WaitForPort(const std::string& port_file,
+                                Cluster& cluster) {
+  const auto deadline =
+      std::chrono::steady_clock::now() + kCoordinatorStartTimeout;
+  while (std::chrono::steady_clock::now() < deadline) {
+    std::ifstream in(port_file);
+    std::string text;
+    int port;
+    if (in >> text && absl::SimpleAtoi(text, &port) && port > 0) return port;
+    if (auto failed = cluster.Reap()) {
+      return absl::UnavailableError(absl::StrCat(
+          "coordinator failed to start (", DescribeExit(failed->exit_status),
+          "): ", LastLine(failed->log)));
+    }
+    if (g_signal != 0) return absl::CancelledError("interrupted");
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  return absl::DeadlineExceededError(
+      "coordinator did not report its port within 30 s");
+}
+
+int Run(const Options& o) {
+  absl::StatusOr<hsdp::MeshShape> mesh =
+      hsdp::ParseMeshForWorld(o.mesh, o.workers);
+  if (!mesh.ok()) {
+    std::cerr << "hsdp-launch: " << mesh.status().message() << " (--workers "
+              << o.workers << ")" << std::endl;
+    return kExitUsage;
+  }
+  const std::string bin = o.bin_dir.empty() ? BinDir() : o.bin_dir;
+  const std::string coordinator_bin = bin + "/hsdp-coordinator";
+  const std::string worker_bin = bin + "/hsdp-worker";
+  for (const std::string& b : {coordinator_bin, worker_bin}) {
+    if (access(b.c_str(), X_OK) != 0) {
+      std::cerr << "hsdp-launch: " << b
+                << " not found (build it, or pass --bin-dir)" << std::endl;
+      return kExitFailure;
+    }
+  }
+  std::string run_dir = o.run_dir;
+  if (run_dir.empty()) {
+    char tmpl[] = "/tmp/hsdp-launch-XXXXXX";
+    if (mkdtemp(tmpl) == nullptr) {
+      std::cerr << "hsdp-launch: mkdtemp: " << std::strerror(errno)
+                << std::endl;
+      return kExitFailure;
+    }
+    run_dir = tmpl;
+  }
+  std::error_code ec;
+  fs::create_directories(run_dir, ec);
+  const std::string port_file = run_dir + "/coordinator.port";
+  fs::remove(port_file, ec);
+  std::cerr << "hsdp-launch: run dir " << run_dir << std::endl;
+
+  std::signal(SIGINT, OnSignal);
+  std::signal(SIGTERM, OnSignal);
+
+  Cluster cluster;
+  std::vector<std::string> cargs = {coordinator_bin,
+                                    "--job-id",
+                                    o.job_id,
+                                    "--world-size",
+                                    std::to_string(o.workers),
+                                    "--mesh",
+                                    hsdp::MeshToString(*mesh),
+                                    "--listen",
+                                    absl::StrCat("127.0.0.1:", o.port),
+                                    "--port-file",
+                                    port_file,
+                                    "--state-dir",
+                                    run_dir + "/coordinator-state",
+                                    "--metrics-listen",
+                                    ""};
+  if (!o.policy_file.empty()) {
+    cargs.push_back("--policy-file");
+    cargs.push_back(o.policy_file);
+  }
+  Child coordinator{"coordinator", -1, run_dir + "/coordinator.log"};
+  auto cpid = Spawn(cargs, coordinator.log);
+  if (!cpid.ok()) {
+    std::cerr << "hsdp-launch: " << cpid.status().message() << std::endl;
+    return kExitFailure;
+  }
+  coordinator.pid = *cpid;
+  coordinator.running = true;
+  cluster.Add(coordinator);
+  absl::StatusOr<int> port = WaitForPort(port_file, cluster);
+  if (!port.ok()) {
+    std::cerr << "hsdp-launch: " << port.status().message() << std::endl;
+    return kExitFailure;
+  }
+  std::cerr << "hsdp-launch: coordinator on 127.0.0.1:" << *port << ", "
+            << o.workers << " workers, mesh " << hsdp::MeshToString(*mesh)
+            << ", model " << o.model << ", " << o.steps << " steps"
+            << std::endl;
+
+  std::vector<std::string> reports;
+  for (int r = 0; r < o.workers; ++r) {
+    const std::string report = absl::StrCat(run_dir, "/worker-", r, ".jsonl");
+    fs::remove(report, ec);
+    reports.push_back(report);
+    std::vector<std::string> wargs = {worker_bin,
+                                      "--coordinator",
+                                      absl::StrCat("127.0.0.1:", *port),
+                                      "--job-id",
+                                      o.job_id,
+                                      "--rank-hint",
+                                      std::to_string(r),
+                                      "--model",
+                                      o.model,
+                                      "--steps",
+                                      std::to_string(o.steps),
+                                      "--gloo-hostname",
+                                      "127.0.0.1",
+                                      "--report-file",
+                                      report};
+    wargs.insert(wargs.end(), o.worker_args.begin(), o.worker_args.end());
+    Child w{absl::StrCat("worker ", r), -1,
+            absl::StrCat(run_dir, "/worker-", r, ".log")};
+    auto wpid = Spawn(wargs, w.log);
+    if (!wpid.ok()) {
+      std::cerr << "hsdp-launch: " << wpid.status().message() << std::endl;
+      return kExitFailure;
+    }
+    w.pid = *wpid;
+    w.running = true;
+    cluster.Add(w);
+  }
+
+  const bool tty = isatty(STDERR_FILENO);
+  std::string last_progress;
+  auto last_print = std::chrono::steady_clock::now();
+  auto show = [&](bool final_line) {
+    const std::string line = ProgressLine(o, reports);
+    const auto now = std::chrono::steady_clock::now();
+    if (tty) {
+      std::cerr << "\r\033[K" << line << (final_line ? "\n" : "") << std::flush;
+    } else if (final_line || (line != last_progress &&
+                              now - last_print > std::chrono::seconds(5))) {
+      // Logs and pipes get a line every few seconds instead of a
+      // carriage-return animation.
+      std::cerr << line << std::endl;
+      last_print = now;
+    }
+    last_progress = line;
+  };
+
+  while (true) {
+    if (g_signal != 0) {
+      show(true);
+      std::cerr << "hsdp-launch: " << strsignal(g_signal)
+                << ", stopping all processes" << std::endl;
+      cluster.Terminate();
+      return 128 + g_signal;
+    }
+    if (std::optional<Child> failed = cluster.Reap()) {
+      show(true);
+      std::cerr << "hsdp-launch: " << failed->name << " failed ("
+                << DescribeExit(failed->exit_status)
+                << "): " << LastLine(failed->log) << " [log: " << failed->log
+                << "]" << std::endl;
+      cluster.Terminate();
+      return kExitFailure;
+    }
+    bool workers_running = false;
+    for (const Child& c : cluster.children())
+      workers_running |= (c.running && c.pid != cluster.children()[0].pid);
+    if (!workers_running) break;
+    if (!cluster.children()[0].running) {
+      show(true);
+      std::cerr << "hsdp-launch: coordinator exited while workers run: "
+                << LastLine(cluster.children()[0].log) << std::endl;
+      cluster.Terminate();
+      return kExitFailure;
+    }
+    show(false);
+    std::this_thread::sleep_for(kPollInterval);
+  }
+  show(true);
+  cluster.Terminate();  // the coordinator: graceful SIGTERM
+  std::cerr << "hsdp-launch: all " << o.workers
+            << " workers finished; reports in " << run_dir << std::endl;
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  CLI::App app{"hsdp-launch: run a coordinator and N workers on this machine"};
+  app.add_option("--workers", o.workers, "number of worker processes")
+      ->required();
+  app.add_option("--mesh", o.mesh, "RxS (default 1xWORKERS)");
+  app.add_option("--model", o.model, "model name");
+  app.add_option("--steps", o.steps, "training steps");
+  app.add_option("--policy-file", o.policy_file,
+                 "initial policy for the coordinator");
+  app.add_option("--port", o.port, "coordinator port (0: ephemeral)");
+  app.add_option("--job-id", o.job_id, "job id");
+  app.add_option("--run-dir", o.run_dir,
+                 "logs, reports and coordinator state (default: a temp dir)");
+  app.add_option("--bin-dir", o.bin_dir,
+                 "where hsdp-coordinator and hsdp-worker are");
+  app.add_option("worker-args", o.worker_args,
+                 "extra hsdp-worker flags, after --");
+  app.allow_extras(false);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    std::cerr << "hsdp-launch: " << e.what() << " (see --help)" << std::endl;
+    return kExitUsage;
+  }
+  if (o.workers <= 0 || o.steps < 0 || o.port < 0) {
+    std::cerr << "hsdp-launch: --workers must be > 0, --steps and --port >= 0"
+              << std::endl;
+    return kExitUsage;
+  }
+  return Run(o);
+}

@@ -1,0 +1,76 @@
+// The worker's training loop (hsdp-worker) and the single-process reference
+// trainer.
+//
+// Torch-free header: worker_main.cc parses flags without compiling LibTorch;
+// all torch code lives in trainer.cc. Every error (c10::Error, gloo exceptions,
+// gRPC failures) comes back as an absl::Status with a one-line message.
+#ifndef HSDP_WORKER_TRAIN_TRAINER_H_
+#define HSDP_WORKER_TRAIN_TRAINER_H_
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+
+namespace hsdp::train {
+
+struct WorkerOptions {
+  std::string coordinator = "localhost:50051";
+  std::string job_id;
+  std::optional<int> rank_hint;
+  // "cpu" or "cuda:N".
+  std::string device = "cpu";
+  std::string model = "gpt-tiny";
+  // "d_model,n_layers,n_heads,seq_len"; empty: the named model's dims.
+  std::string dims;
+  // Text file of training bytes; empty: the built-in corpus.
+  std::string data;
+  int64_t steps = 100;
+  int64_t microbatch_size = 4;
+  double lr = 3e-3;
+  std::string checkpoint_dir;
+  // Intra-op threads per worker (0: leave LibTorch's default).
+  int threads = 1;
+  std::string gloo_iface;
+  std::string gloo_hostname;
+  absl::Duration collective_timeout = absl::Seconds(60);
+  // How long RPCs keep retrying an unreachable coordinator.
+  absl::Duration coordinator_timeout = absl::Seconds(60);
+  uint64_t seed = 0;
+  // JSON lines, one per step (see README).
+  std::string report_file;
+  // After the last step, rank 0 writes the full unsharded parameters here
+  // (LibTorch archive).
+  std::string final_params;
+};
+
+// Joins the coordinator and trains until the last step or a drain. Resumes from
+// the latest complete checkpoint in checkpoint_dir.
+absl::Status RunWorker(const WorkerOptions& options);
+
+struct ReferenceOptions {
+  std::string model = "gpt-tiny";
+  std::string dims;
+  std::string data;
+  int64_t steps = 10;
+  int64_t microbatch_size = 4;
+  double lr = 3e-3;
+  uint64_t seed = 0;
+  int threads = 1;
+  // The global batch of the sharded run it mirrors: world_size ranks x
+  // microbatches.
+  int world_size = 1;
+  int microbatches = 1;
+  std::string report_file;
+  std::string final_params;
+};
+
+// Unsharded single-process training on exactly the global batches of a sharded
+// run with the same world size, microbatches and microbatch size.
+absl::Status RunReference(const ReferenceOptions& options);
+
+}  // namespace hsdp::train
+
+#endif  // HSDP_WORKER_TRAIN_TRAINER_H_
