@@ -6,28 +6,35 @@
 
 namespace hsdp::comm {
 
+namespace {
+
+// Group `group_id` of `kind`: its store prefix is "<prefix>/<kind>/<group_id>".
+GroupSpec MakeGroupSpec(const char* kind, const std::string& prefix,
+                        int group_id, int rank_in_group,
+                        std::vector<int> global_ranks) {
+  GroupSpec group;
+  group.kind = kind;
+  group.prefix = absl::StrCat(prefix, "/", kind, "/", group_id);
+  group.rank = rank_in_group;
+  group.size = static_cast<int>(global_ranks.size());
+  group.global_ranks = std::move(global_ranks);
+  return group;
+}
+
+}  // namespace
+
 GroupSpec DeviceMesh::ShardGroup(const MeshShape& shape, int rank,
                                  const std::string& prefix) {
   const MeshCoord coord = RankToCoord(shape, rank);
-  GroupSpec group;
-  group.kind = "shard";
-  group.prefix = absl::StrCat(prefix, "/shard/", coord.replicate_index);
-  group.rank = coord.shard_index;
-  group.size = shape.shard;
-  group.global_ranks = ShardGroupRanks(shape, rank);
-  return group;
+  return MakeGroupSpec("shard", prefix, coord.replicate_index,
+                       coord.shard_index, ShardGroupRanks(shape, rank));
 }
 
 GroupSpec DeviceMesh::ReplicateGroup(const MeshShape& shape, int rank,
                                      const std::string& prefix) {
   const MeshCoord coord = RankToCoord(shape, rank);
-  GroupSpec group;
-  group.kind = "replicate";
-  group.prefix = absl::StrCat(prefix, "/replicate/", coord.shard_index);
-  group.rank = coord.replicate_index;
-  group.size = shape.replicate;
-  group.global_ranks = ReplicateGroupRanks(shape, rank);
-  return group;
+  return MakeGroupSpec("replicate", prefix, coord.shard_index,
+                       coord.replicate_index, ReplicateGroupRanks(shape, rank));
 }
 
 DeviceMesh::DeviceMesh(MeshShape shape, int rank,

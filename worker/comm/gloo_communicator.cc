@@ -10,6 +10,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "gloo/allgather.h"
 #include "gloo/allreduce.h"
 #include "gloo/alltoall.h"
@@ -17,6 +18,8 @@
 #include "gloo/broadcast.h"
 #include "gloo/common/error.h"
 #include "gloo/rendezvous/context.h"
+#include "gloo/transport/address.h"
+#include "gloo/transport/pair.h"
 #include "gloo/transport/tcp/device.h"
 #include "worker/comm/gloo_store.h"
 #include "worker/comm/reduce_kernels.h"
@@ -45,6 +48,55 @@ void WithElementOfSize(size_t element_size, Fn&& fn) {
     default:
       return fn(uint64_t{});
   }
+}
+
+constexpr char kPairAddressesKey[] = "pair_addresses";
+
+// Gloo names a lost peer only by the TCP address of its end of the pair, so
+// after connecting every rank publishes its pair ends (one line per peer rank)
+// and reads which address each peer uses towards it. Returns that address per
+// peer rank ("" for this rank).
+absl::StatusOr<std::vector<std::string>> ExchangePairAddresses(
+    Store& store, const std::string& prefix, gloo::Context& context,
+    absl::Duration timeout) {
+  std::vector<std::string> mine(context.size), theirs(context.size);
+  if (context.size == 1) return theirs;
+  for (int p = 0; p < context.size; ++p) {
+    if (p != context.rank) mine[p] = context.getPair(p)->address().str();
+  }
+  auto key = [&prefix](int r) {
+    return absl::StrCat(prefix, "/", kPairAddressesKey, "/", r);
+  };
+  absl::Status status = store.Set(key(context.rank), absl::StrJoin(mine, "\n"));
+  if (!status.ok()) return status;
+  for (int p = 0; p < context.size; ++p) {
+    if (p == context.rank) continue;
+    absl::StatusOr<std::string> value = store.Get(key(p), timeout);
+    if (!value.ok()) return value.status();
+    std::vector<std::string> lines = absl::StrSplit(*value, '\n');
+    if (lines.size() != static_cast<size_t>(context.size)) {
+      return absl::InternalError(
+          absl::StrCat("malformed store value for ", key(p)));
+    }
+    theirs[p] = lines[context.rank];
+  }
+  return theirs;
+}
+
+// All-gather output / reduce-scatter input (`whole`) must hold `size` x the
+// elements of the per-rank `part`, in the same dtype.
+absl::Status CheckPartAndWhole(const std::string& where, const Buffer& part,
+                               const Buffer& whole, int size) {
+  if (part.dtype == whole.dtype && part.count >= 0 &&
+      whole.count == part.count * size) {
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      where,
+      ": the full buffer must hold size() x the per-rank elements, same "
+      "dtype (per-rank ",
+      part.count, " ", DataTypeName(part.dtype), ", full ", whole.count, " ",
+      DataTypeName(whole.dtype), ")"));
 }
 
 // Completion state shared by the comm thread (producer) and the Work handle
@@ -118,6 +170,10 @@ struct GlooCommunicator::Core {
   bool running ABSL_GUARDED_BY(mu) = false;
   bool stopping ABSL_GUARDED_BY(mu) = false;
   uint64_t issued ABSL_GUARDED_BY(mu) = 0;
+
+  // peer_addresses[p]: the TCP address of peer p's end of our pair, which is
+  // how Gloo names a peer in its errors (set once, before any collective).
+  std::vector<std::string> peer_addresses;
 
   // Owned by the running-token holder: the first failure (makes the
   // communicator unusable) and the reduce-scatter receive buffer, kept across
@@ -234,9 +290,20 @@ absl::StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::Create(
                                   : absl::StatusCode::kUnavailable,
                         absl::StrCat(where, ": ", e.what()));
   }
+  auto core = std::make_shared<Core>(std::move(context), options.name, rank,
+                                     size, options.timeout);
+  absl::StatusOr<std::vector<std::string>> peer_addresses =
+      ExchangePairAddresses(store, prefix, *core->context, options.timeout);
+  if (!peer_addresses.ok()) {
+    return absl::Status(
+        peer_addresses.status().code(),
+        absl::StrCat(options.name, " (rank ", rank, " of ", size,
+                     ", store prefix '", prefix, "'): rendezvous failed: ",
+                     peer_addresses.status().message()));
+  }
+  core->peer_addresses = *std::move(peer_addresses);
   return std::unique_ptr<GlooCommunicator>(
-      new GlooCommunicator(std::make_shared<Core>(
-          std::move(context), options.name, rank, size, options.timeout)));
+      new GlooCommunicator(std::move(core)));
 }
 
 GlooCommunicator::GlooCommunicator(std::shared_ptr<Core> core)
@@ -293,9 +360,16 @@ absl::Status GlooCommunicator::Core::CurrentExceptionToStatus(
           "or dead); Gloo: ",
           text));
     }
-    return absl::UnavailableError(absl::StrCat(
-        where,
-        " failed: lost a peer (connection closed or reset); Gloo: ", text));
+    std::string peer = "a peer";
+    for (int p = 0; p < size; ++p) {
+      if (!peer_addresses[p].empty() &&
+          absl::StrContains(text, peer_addresses[p])) {
+        peer = absl::StrCat("peer rank ", p);
+      }
+    }
+    return absl::UnavailableError(
+        absl::StrCat(where, " failed: lost ", peer,
+                     " (connection closed or reset); Gloo: ", text));
   } catch (const gloo::Exception& e) {
     return absl::InternalError(
         absl::StrCat(where, " failed in Gloo: ", e.what()));
@@ -354,13 +428,10 @@ std::unique_ptr<Work> GlooCommunicator::Failed(absl::Status status) {
 
 std::unique_ptr<Work> GlooCommunicator::AllGather(const Buffer& input,
                                                   const Buffer& output) {
-  if (input.dtype != output.dtype || output.count != input.count * size_ ||
-      input.count < 0) {
-    return Failed(absl::InvalidArgumentError(absl::StrCat(
-        Describe("AllGather"),
-        ": output must hold size() x input elements of the same dtype (input ",
-        input.count, " ", DataTypeName(input.dtype), ", output ", output.count,
-        " ", DataTypeName(output.dtype), ")")));
+  if (absl::Status status =
+          CheckPartAndWhole(Describe("AllGather"), input, output, size_);
+      !status.ok()) {
+    return Failed(std::move(status));
   }
   const size_t bytes = input.bytes();
   char* out = static_cast<char*>(output.data);
@@ -382,13 +453,10 @@ std::unique_ptr<Work> GlooCommunicator::AllGather(const Buffer& input,
 std::unique_ptr<Work> GlooCommunicator::ReduceScatter(const Buffer& input,
                                                       const Buffer& output,
                                                       ReduceOp op) {
-  if (input.dtype != output.dtype || input.count != output.count * size_ ||
-      output.count < 0) {
-    return Failed(absl::InvalidArgumentError(absl::StrCat(
-        Describe("ReduceScatter"),
-        ": input must hold size() x output elements of the same dtype (input ",
-        input.count, " ", DataTypeName(input.dtype), ", output ", output.count,
-        " ", DataTypeName(output.dtype), ")")));
+  if (absl::Status status =
+          CheckPartAndWhole(Describe("ReduceScatter"), output, input, size_);
+      !status.ok()) {
+    return Failed(std::move(status));
   }
   const DataType dtype = input.dtype;
   const int64_t count = output.count;
