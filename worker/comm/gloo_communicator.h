@@ -6,11 +6,18 @@
 // later waits. Several communicators of one process (e.g. the shard and
 // replicate groups of a DeviceMesh) can share one tcp device.
 //
-// Failure model: every collective is bounded by the communicator's timeout. A
-// Gloo error (timeout, peer closed its sockets) completes the Work with
-// DEADLINE_EXCEEDED or UNAVAILABLE naming the collective, the communicator and
-// the peer when Gloo says; the communicator is then unusable (its TCP pairs are
-// in an unknown state) and every later call fails fast with that error.
+// Failure model: the rendezvous and every collective are bounded by the
+// communicator's timeout. A rendezvous that misses a peer fails with
+// DEADLINE_EXCEEDED naming the rank(s) that never arrived. A Gloo error in a
+// collective completes the Work with DEADLINE_EXCEEDED (a peer did not take
+// part in time; Gloo does not say which) or UNAVAILABLE (a peer closed or
+// reset its connection: named by rank), naming the collective, its sequence
+// number and the communicator. The communicator is then unusable (its TCP pairs
+// are in an unknown state) and every later call fails fast with that error.
+//
+// Memory: ReduceScatter receives into a buffer of the input's size, kept for
+// the communicator's life (grown to the largest input seen) to avoid a large
+// allocation per call.
 #ifndef HSDP_WORKER_COMM_GLOO_COMMUNICATOR_H_
 #define HSDP_WORKER_COMM_GLOO_COMMUNICATOR_H_
 
@@ -66,7 +73,8 @@ class GlooCommunicator final : public Communicator {
   // Rendezvous of `size` ranks through `store` under `prefix` (distinct per
   // group and per generation), then a full TCP mesh on `device`. Blocks until
   // all ranks joined; DEADLINE_EXCEEDED naming the missing rank(s) after
-  // options.timeout.
+  // options.timeout. Keys used: "<prefix>/<rank>" (Gloo's, binary values) and
+  // "<prefix>/pair_addresses/<rank>". `store` is not used after Create.
   static absl::StatusOr<std::unique_ptr<GlooCommunicator>> Create(
       Store& store, const std::string& prefix, int rank, int size,
       std::shared_ptr<gloo::transport::Device> device,
