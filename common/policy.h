@@ -2,16 +2,16 @@
 // policy).
 //
 // Field limits and defaults (the proto documents the same):
-//   reshard_after_forward / reshard_after_backward   default true
-//   forward_prefetch_depth / backward_prefetch_depth  default 1, range [0,
-//   kMaxPrefetchDepth] microbatches                                      0
-//   means 1, range [0, kMaxMicrobatches] grad_sync / all_reduce UNSPECIFIED
-//   means LAST_MICROBATCH checkpoint_interval                               >=
-//   0 (0: never) memory_budget_bytes                               >= 0 (0:
-//   manual mode) overrides[i].unit_glob                            non-empty,
-//   must match >= 1 unit,
-//                                                     override must set at
-//                                                     least one flag
+// - reshard_after_forward, reshard_after_backward: default true.
+// - forward_prefetch_depth, backward_prefetch_depth: default 1, range
+//   [0, kMaxPrefetchDepth].
+// - microbatches: 0 means 1, range [0, kMaxMicrobatches].
+// - grad_sync, all_reduce: UNSPECIFIED means LAST_MICROBATCH; values outside
+//   the enum are rejected.
+// - checkpoint_interval: >= 0 (0: never).
+// - memory_budget_bytes: >= 0 (0: manual mode).
+// - overrides[i]: unit_glob non-empty and matching >= 1 unit; must set at
+//   least one of the two flags.
 // Every rejection is INVALID_ARGUMENT whose message starts with the field path,
 // e.g. "policy.forward_prefetch_depth: -1 is negative".
 #ifndef HSDP_COMMON_POLICY_H_
@@ -73,8 +73,8 @@ bool GlobMatch(absl::string_view pattern, absl::string_view name);
 
 // Protobuf text format of the policy as given (fields left unset stay unset).
 std::string PolicyToText(const hsdp::v1::Policy& policy);
-// Pretty JSON (proto3 JSON mapping, field names in lowerCamelCase as protobuf
-// prints them).
+// Pretty JSON (proto3 JSON mapping, field names as in the .proto, snake_case);
+// ParsePolicy reads it back.
 std::string PolicyToJson(const hsdp::v1::Policy& policy);
 // A human-readable multi-line summary of the effective values, marking
 // defaults, e.g.

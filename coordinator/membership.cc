@@ -98,7 +98,13 @@ absl::StatusOr<int> Membership::PickRankLocked(const JoinArgs& args) const {
           "rank hint ", hint, " is outside the world [0, ", world, ")"));
     }
     const Slot& slot = slots_[hint];
-    if (slot.state == SlotState::kAlive || slot.state == SlotState::kFinished) {
+    // A restored holder is taken over only by its own host (the worker
+    // re-joining after the coordinator restarted); anyone else is a duplicate
+    // rank.
+    const bool restored_by_other =
+        slot.state == SlotState::kRestored && slot.hostname != args.hostname;
+    if (slot.state == SlotState::kAlive || slot.state == SlotState::kFinished ||
+        restored_by_other) {
       return absl::AlreadyExistsError(
           absl::StrCat("rank ", hint, " is taken by host ", slot.hostname));
     }

@@ -2,30 +2,36 @@
 // heartbeats, lost workers, the generation and the job state.
 //
 // Join rules:
-//   * rank hint given (0 <= hint < world): a free slot is taken; a slot whose
-//   holder is LOST
-//     or is a restored-but-unconfirmed holder (see below) is taken over; a slot
-//     held by an ALIVE or FINISHED worker is ALREADY_EXISTS "rank N is taken by
-//     host H". A hint outside [0, world) is INVALID_ARGUMENT.
-//   * no hint: the lowest free slot, else the lowest LOST slot; none →
+// - Rank hint given (0 <= hint < world): a free slot is taken; a slot whose
+//   holder is LOST, or is a restored-but-unconfirmed holder on the same host
+//   (see Restart), is taken over; a slot held by an ALIVE or FINISHED worker
+//   (or restored on another host) is ALREADY_EXISTS "rank N is taken by host
+//   H". A hint outside [0, world) is INVALID_ARGUMENT.
+// - No hint: the lowest free slot, else the lowest LOST slot; none left is
 //   RESOURCE_EXHAUSTED.
-//   * the first joiner's model name + unit list become the job's model
-//   (persisted); a later
-//     joiner with a different model or list is FAILED_PRECONDITION naming the
-//     first differing unit. A malformed unit list is INVALID_ARGUMENT.
-//   A refused join changes nothing.
+// - The first joiner's model name + unit list become the job's model
+//   (persisted); a later joiner with a different model or list is
+//   FAILED_PRECONDITION naming the first differing unit. A malformed unit list
+//   is INVALID_ARGUMENT.
+// - A refused join changes nothing.
+//
 // Heartbeats: a worker not heard from for `heartbeat_timeout` (by the
-// injectable clock) is marked LOST by SweepHeartbeats(), the job becomes
-// DEGRADED and the generation is bumped (once per sweep that loses someone).
-// Taking over a LOST slot does not bump it again. Restart: with a StateStore,
-// the model, generation and members (rank, host, device) are persisted; after a
-// restart the members come back "restored": alive for status purposes, their
-// heartbeat clock starting at the restart. A heartbeat confirms them; a Join
-// with their rank hint takes the slot over (the worker re-joining after a
-// coordinator restart) without a generation bump; if they stay silent they
-// become LOST like anyone else. Job state: FINISHED when every rank finished;
-// else DRAINING when SetDraining(true); else DEGRADED when some slot is LOST;
-// else WAITING when a slot is free; else RUNNING.
+// injectable clock) is marked LOST by SweepHeartbeats() (Join sweeps too), the
+// job becomes DEGRADED and the generation is bumped (once per sweep that loses
+// someone). Taking over a LOST slot does not bump it again.
+//
+// Restart: with a StateStore, the model, generation and members (rank, host,
+// device) are persisted. After a restart the members come back "restored":
+// alive for status purposes, their heartbeat clock starting at the restart. A
+// heartbeat confirms them (workers simply continue); a Join with their rank
+// hint from the same hostname takes the slot over (the worker re-joining after
+// a coordinator restart) without a generation bump; if they stay silent they
+// become LOST like anyone else. The draining flag is not persisted: the server
+// re-applies it from ScheduleLog::drain_step() at start-up.
+//
+// Job state: FINISHED when every rank finished; else DRAINING when
+// SetDraining(true); else DEGRADED when some slot is LOST; else WAITING when a
+// slot is free; else RUNNING.
 #ifndef HSDP_COORDINATOR_MEMBERSHIP_H_
 #define HSDP_COORDINATOR_MEMBERSHIP_H_
 

@@ -2,26 +2,22 @@
 // one step.
 //
 // Manual mode (memory_budget_bytes == 0) is exact and stateless:
-//   * per unit reshard_after_forward/backward = policy defaults, then every
-//   override whose
-//     glob matches the unit name, in order (later overrides win);
-//   * forward_prefetch(i)  = [i+1, ..., i+d_fwd]   (clipped to the unit count);
-//   * backward_prefetch(i) = [i-1, ..., i-d_bwd]   (clipped at 0; backward runs
-//   units in
-//     reverse, so these are the units that run next);
-//   * microbatch k of m: requires_grad_sync = last || grad_sync ==
-//   EVERY_MICROBATCH;
-//     requires_all_reduce = requires_grad_sync && (last || all_reduce ==
-//     EVERY_MICROBATCH); is_last_backward = last. (The flags do not depend on
-//     the mesh: with one replica the engine's all-reduce is a no-op.)
-//   * checkpoint = (checkpoint_interval > 0 && (step + 1) % checkpoint_interval
-//   == 0) ||
-//     a checkpoint was requested for this step.
+// - per unit reshard_after_forward/backward = the policy defaults, then every
+//   override whose glob matches the unit name, in order (later ones win);
+// - forward_prefetch(i) = [i+1, ..., i+d_fwd], clipped to the unit count;
+// - backward_prefetch(i) = [i-1, ..., i-d_bwd], clipped at 0 (backward runs
+//   the units in reverse, so these are the units that run next);
+// - microbatch k of m: requires_grad_sync = last || grad_sync is
+//   EVERY_MICROBATCH; requires_all_reduce = requires_grad_sync && (last ||
+//   all_reduce is EVERY_MICROBATCH); is_last_backward = last. The flags do not
+//   depend on the mesh: with one replica the engine's all-reduce is a no-op.
+// - checkpoint = (checkpoint_interval > 0 &&
+//   (step + 1) % checkpoint_interval == 0) || a checkpoint was requested.
 //
 // Memory-budget mode (memory_budget_bytes > 0) plans like manual mode, except
-// that it picks reshard_after_forward for every unit an override does not pin
-// explicitly; see PredictPeakBytes for the memory model and Plan() for the
-// choice.
+// that it picks reshard_after_forward for every unit no override pins
+// explicitly; see PredictPeakBytes for the memory model and
+// ChooseReshardAfterForward for the choice.
 #ifndef HSDP_COORDINATOR_PLANNER_H_
 #define HSDP_COORDINATOR_PLANNER_H_
 
@@ -82,17 +78,15 @@ class Planner {
   // if none).
   int64_t last_predicted_peak_bytes() const { return last_predicted_peak_; }
 
-  // The raw memory model (bytes per rank), before correction:
-  //   sum_i ceil(bytes_i / S) * kShardedStateCopies      sharded params, grads,
-  //   AdamW m, v
-  // + sum_{i kept} bytes_i                               units kept unsharded
-  // after forward
-  //                                                      (all live at the
-  //                                                      fwd/bwd boundary)
-  // + max over units i of the unsharded working window:
-  //     forward:  bytes of {i .. i+d_fwd} not kept
-  //     backward: bytes of {i-d_bwd .. i} not kept + bytes_i (the unsharded
-  //     gradient)
+  // The raw memory model (bytes per rank), before correction, is the sum of
+  // - sharded state: sum_i ceil(bytes_i / S) * kShardedStateCopies (params,
+  //   grads, AdamW m and v);
+  // - kept units: sum of bytes_i over units kept unsharded after forward (all
+  //   live at once at the forward/backward boundary);
+  // - the unsharded working window, max over units i of
+  //   forward:  bytes of the units in [i, i + d_fwd] that are not kept;
+  //   backward: bytes of the units in [i - d_bwd, i] that are not kept, plus
+  //             bytes_i (the unit's unsharded gradient).
   // Activations are not modelled; the correction factor from reported peaks
   // absorbs them.
   static int64_t PredictPeakBytes(const UnitList& units, int shard_size,

@@ -1,28 +1,25 @@
 // The schedule log: the sealed, immutable per-step schedules every rank reads.
 //
-// * Sealing: the first read of step s seals it — s and every unsealed step
-// before it (steps
-//   are sealed in order, so the sealed steps are always [0, sealed_step()]) are
-//   planned and their serialized bytes stored (and persisted before being
-//   returned). Later reads return the same bytes.
-// * Policy: SetPolicy validates and applies from the first unsealed step; the
-// response
-//   names that step and the new version. The history maps each step to exactly
-//   one policy version, so no step mixes policies and a change lands exactly on
-//   the announced step.
-// * Read-ahead window: let floor = min over ranks of the highest completed step
-// (reported
-//   via RecordReport; -1 before any report). Sealing step s is allowed when
-//   s <= floor + 1 + read_ahead. Beyond floor + 1 + refuse_ahead the read is
+// - Sealing: the first read of step s seals it: s and every unsealed step
+//   before it are planned, persisted, and their serialized bytes stored. Steps
+//   are sealed in order, so the sealed steps are always [0, sealed_step()].
+//   Later reads return the same bytes.
+// - Policy: SetPolicy validates and applies from the first unsealed step; the
+//   answer names that step and the new version. The history maps each step to
+//   exactly one policy version, so no step mixes policies and a change lands
+//   exactly on the announced step.
+// - Read-ahead window: floor = min over ranks of the highest completed step
+//   (from RecordReport; -1 before any report). Sealing step s is allowed when
+//   s <= floor + 1 + read_ahead. Beyond floor + 1 + refuse_ahead a read is
 //   refused with OUT_OF_RANGE; in between the caller blocks until the window
-//   moves or its deadline passes (DEADLINE_EXCEEDED). Already sealed steps are
-//   always readable.
-// * Drain: Drain() fixes a last step (the first unsealed step); reads past it
-// answer
-//   `drained` and nothing past it is ever sealed.
-// * Checkpoints: RequestCheckpoint() marks the first unsealed step; the last
-// step every rank
-//   reported checkpoint_saved for is tracked (last_checkpoint_step).
+//   moves or its deadline passes (DEADLINE_EXCEEDED). Sealed steps are always
+//   readable.
+// - Drain: Drain() fixes a last step (the first unsealed step); reads past it
+//   answer `drained` and nothing past it is ever sealed.
+// - Checkpoints: RequestCheckpoint() marks the first unsealed step; the last
+//   step every rank reported checkpoint_saved for is tracked
+//   (last_checkpoint_step).
+//
 // Persistence (optional StateStore): policy history, drain step, checkpoint
 // requests and records, and every sealed step; Create() restores them, so a
 // restarted coordinator serves byte-identical sealed steps.
@@ -73,8 +70,8 @@ struct PolicyInfo {
   int64_t effective_step = 0;
 };
 
-// Thread-safe. Reads of sealed steps take the mutex briefly; planning happens
-// under it.
+// Thread-safe. Planning, sealing and persisting happen under one mutex; reads
+// of already sealed steps take only a separate reader lock.
 class ScheduleLog {
  public:
   struct Options {

@@ -1,11 +1,9 @@
 // Crash-safe persistence of the coordinator's state in a directory:
-//   <dir>/state.binpb          PersistedState (job, policies, generation,
-//   model, members,
-//                              drain step, checkpoint records), rewritten
-//                              atomically
-//   <dir>/steps/<step>.binpb   one serialized StepSchedule per sealed step,
-//   written once
-// Every write goes to "<file>.tmp", is fsync'ed, renamed over the target and
+// - <dir>/state.binpb: PersistedState (job, policies, generation, model,
+//   members, drain step, checkpoint records), rewritten atomically;
+// - <dir>/steps/<step>.binpb: one serialized StepSchedule per sealed step,
+//   written once.
+// Every write goes to "<file>.tmp", is fsync'ed, renamed over the target, and
 // the directory is fsync'ed, so a crash leaves either the old or the new file.
 // Leftover *.tmp files (a crash mid-write) are ignored and removed on Open.
 // Sealing a step writes one small file and never rewrites the others

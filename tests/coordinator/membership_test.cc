@@ -211,6 +211,9 @@ TEST_F(MembershipTest, RestoresAfterCoordinatorRestart) {
   // Workers simply continue: a heartbeat confirms a restored rank.
   ASSERT_TRUE(m->Heartbeat(0, 10).ok());
   EXPECT_FALSE(m->Workers()[0].restored);
+  // Another host claiming a restored rank is a duplicate.
+  EXPECT_EQ(m->Join(Args(1, "intruder")).status().code(),
+            absl::StatusCode::kAlreadyExists);
   // Or re-join with their rank hint: allowed, without a new generation.
   absl::StatusOr<JoinResult> r = m->Join(Args(1, "b"));
   ASSERT_TRUE(r.ok()) << r.status();
