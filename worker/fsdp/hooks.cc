@@ -29,9 +29,9 @@ T* IntToPtr(const c10::IValue& value) {
 struct PreBackwardFunction
     : public torch::autograd::Function<PreBackwardFunction> {
   static variable_list forward(AutogradContext* ctx, UnitGroup* unit,
-                               variable_list outputs) {
+                               at::TensorList outputs) {
     ctx->saved_data["unit"] = PtrToInt(unit);
-    return outputs;
+    return outputs.vec();
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     IntToPtr<UnitGroup>(ctx->saved_data["unit"])->PreBackward();
@@ -46,9 +46,9 @@ struct PreBackwardFunction
 struct PostBackwardFunction
     : public torch::autograd::Function<PostBackwardFunction> {
   static variable_list forward(AutogradContext* ctx, UnitGroup* unit,
-                               variable_list inputs) {
+                               at::TensorList inputs) {
     ctx->saved_data["unit"] = PtrToInt(unit);
-    return inputs;
+    return inputs.vec();
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     IntToPtr<UnitGroup>(ctx->saved_data["unit"])->PostBackward();
@@ -116,7 +116,8 @@ std::vector<at::Tensor> ApplyToGradTensors(UnitGroup* unit,
     }
   }
   if (selected.empty()) return tensors;
-  variable_list wrapped = Fn::apply(unit, selected);
+  // TensorList (not std::vector) so the autograd Function sees them as inputs.
+  variable_list wrapped = Fn::apply(unit, at::TensorList(selected));
   for (size_t k = 0; k < where.size(); ++k) tensors[where[k]] = wrapped[k];
   return tensors;
 }

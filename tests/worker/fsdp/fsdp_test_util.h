@@ -1,0 +1,140 @@
+// Test support for the sharding engine: a tiny causal transformer (with
+// parameters whose dim 0 does not divide 2 or 4, and one with fewer rows than
+// shards), multi-rank runs as threads over loopback Gloo, and sharded /
+// single-process training drivers that report losses and the final full
+// parameters.
+#ifndef HSDP_TESTS_WORKER_FSDP_FSDP_TEST_UTIL_H_
+#define HSDP_TESTS_WORKER_FSDP_FSDP_TEST_UTIL_H_
+
+#include <torch/torch.h>
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/time/time.h"
+#include "hsdp/v1/schedule.pb.h"
+#include "worker/comm/device_mesh.h"
+#include "worker/fsdp/fully_shard.h"
+
+namespace hsdp::fsdp::testing {
+
+struct ModelDims {
+  int64_t vocab = 11;  // 11 rows: uneven over 2 and 4 shards
+  int64_t d_model = 8;
+  int64_t heads = 2;
+  int64_t hidden = 20;
+  int64_t seq_len = 6;  // the positional table has 6 rows: uneven over 4 shards
+  int64_t layers = 2;
+};
+
+class BlockImpl : public torch::nn::Module {
+ public:
+  explicit BlockImpl(const ModelDims& dims);
+  at::Tensor forward(const at::Tensor& x);
+
+ private:
+  int64_t heads_;
+  torch::nn::LayerNorm ln1_{nullptr}, ln2_{nullptr};
+  torch::nn::Linear qkv_{nullptr}, proj_{nullptr}, fc1_{nullptr}, fc2_{nullptr};
+};
+TORCH_MODULE(Block);
+
+class TinyTransformerImpl : public torch::nn::Module {
+ public:
+  explicit TinyTransformerImpl(const ModelDims& dims);
+  at::Tensor Embed(const at::Tensor& tokens);
+  at::Tensor Head(const at::Tensor& h);
+  // Plain (unsharded) forward: logits [B, T, vocab].
+  at::Tensor forward(const at::Tensor& tokens);
+
+  std::vector<Block> blocks;
+  ModelDims dims;
+
+ private:
+  torch::nn::Embedding embed_{nullptr};
+  at::Tensor pos_;
+  at::Tensor mix_;  // 3 rows: fewer than 4 shards
+  torch::nn::LayerNorm ln_f_{nullptr};
+  torch::nn::Linear head_{nullptr};
+};
+TORCH_MODULE(TinyTransformer);
+
+using StateDict = std::map<std::string, at::Tensor>;
+
+// Deterministic initial weights (seeded once, on the calling thread).
+StateDict MakeInitialState(const ModelDims& dims, uint64_t seed);
+TinyTransformer MakeModel(const ModelDims& dims, const StateDict& init);
+
+// How one training run is configured; the policy fields never change the
+// numbers.
+struct RunConfig {
+  ModelDims dims;
+  int steps = 3;
+  int global_batch = 8;
+  int microbatches = 1;
+  bool sync_every_microbatch =
+      true;  // requires_grad_sync on non-last microbatches
+  bool all_reduce_every_microbatch =
+      true;  // requires_all_reduce on non-last microbatches
+  bool reshard_after_forward = true;
+  bool reshard_after_backward = true;
+  int prefetch = 0;
+  bool offload = false;
+  bool checkpoint = false;
+  double clip_norm = 0;  // 0: no clipping
+  double lr = 2e-3;
+  MixedPrecisionPolicy mixed_precision;
+};
+
+struct RunResult {
+  std::vector<double>
+      losses;  // this rank's loss per step (sum over its microbatches)
+  StateDict
+      params;  // final full parameters (global rank 0 only for sharded runs)
+  EngineStats stats;
+};
+
+hsdp::v1::StepSchedule MakeSchedule(int num_units, const RunConfig& config);
+
+// Builds the engine over `model` (one unit per block + root).
+std::unique_ptr<Engine> MakeEngine(TinyTransformer& model, MeshComms comms,
+                                   const RunConfig& config);
+// Sharded forward through the engine; logits.
+at::Tensor EngineForward(Engine& engine, TinyTransformer& model,
+                         const at::Tensor& tokens, bool checkpoint);
+
+// The tokens/targets of global step `step`, samples [begin, begin + count).
+std::pair<at::Tensor, at::Tensor> Batch(const ModelDims& dims, int step,
+                                        int begin, int count);
+
+// One rank of a sharded run; `dp_rank`/`dp_size` pick its slice of each global
+// batch.
+RunResult TrainSharded(MeshComms comms, int dp_rank, int dp_size,
+                       const StateDict& init, const RunConfig& config);
+// Single-process unsharded training on the global batch.
+RunResult TrainReference(const StateDict& init, const RunConfig& config);
+
+struct RankContext {
+  int rank = 0;
+  comm::DeviceMesh* mesh = nullptr;
+  MeshComms comms() const {
+    return MeshComms{&mesh->shard(), &mesh->replicate()};
+  }
+};
+// Runs fn on every rank of a replicate × shard mesh (threads, Gloo over
+// 127.0.0.1).
+void RunOnMesh(comm::MeshShape shape,
+               const std::function<void(RankContext&)>& fn,
+               absl::Duration timeout = absl::Seconds(30));
+
+// max |a - b| over every tensor of two state dicts with equal keys (inf on a
+// mismatch).
+double MaxAbsDiff(const StateDict& a, const StateDict& b);
+bool BitwiseEqual(const StateDict& a, const StateDict& b);
+
+}  // namespace hsdp::fsdp::testing
+
+#endif  // HSDP_TESTS_WORKER_FSDP_FSDP_TEST_UTIL_H_
