@@ -132,6 +132,16 @@ grpc::Status CoordinatorServiceImpl::Heartbeat(
     HSDP_RETURN_IF_ERROR(core_.membership->CheckJobId(request->job_id()));
     HSDP_RETURN_IF_ERROR(
         core_.membership->Heartbeat(request->rank(), request->step()));
+    if (request->step() > 0) {
+      // A worker on step s has completed s - 1. Feeding that to the read-ahead
+      // window matters after a coordinator restart: completed steps are not
+      // persisted, so without it the first unsealed step would wait for
+      // reports that workers only send after getting it.
+      hsdp::v1::StepReport progress;
+      progress.set_rank(request->rank());
+      progress.set_step(request->step() - 1);
+      HSDP_RETURN_IF_ERROR(core_.schedule_log->RecordReport(progress));
+    }
     // A generation different from the request's tells the worker to
     // re-rendezvous.
     response->set_generation(core_.membership->generation());

@@ -12,6 +12,7 @@
 
 #include <cerrno>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 #include <utility>
@@ -145,6 +146,65 @@ inline RunResult RunCommand(std::vector<std::string> argv,
   Subprocess p(std::move(argv), std::move(env));
   return p.Wait();
 }
+
+// A scratch directory under $TEST_TMPDIR (or /tmp), removed with everything in
+// it.
+class TempDir {
+ public:
+  TempDir() {
+    const char* base = std::getenv("TEST_TMPDIR");
+    std::string pattern =
+        std::string(base != nullptr ? base : "/tmp") + "/hsdp-test-XXXXXX";
+    if (mkdtemp(pattern.data()) == nullptr) std::abort();
+    path_ = pattern;
+  }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  ~TempDir() { RunCommand({"/bin/rm", "-rf", path_}); }
+  const std::string& path() const { return path_; }
+  // Writes `contents` to path()/name and returns the full path.
+  std::string Write(const std::string& name,
+                    const std::string& contents) const {
+    const std::string file = path_ + "/" + name;
+    FILE* f = fopen(file.c_str(), "w");
+    if (f == nullptr) std::abort();
+    fwrite(contents.data(), 1, contents.size(), f);
+    fclose(f);
+    return file;
+  }
+
+ private:
+  std::string path_;
+};
+
+// A running hsdp-coordinator; address() is "127.0.0.1:PORT" once it printed
+// "listening on".
+class CoordinatorProcess {
+ public:
+  // `args` are appended to the binary and "--listen 127.0.0.1:0
+  // --metrics-listen ''".
+  CoordinatorProcess(const std::string& binary, std::vector<std::string> args,
+                     std::vector<std::string> env = {})
+      : process_(WithDefaults(binary, std::move(args)), std::move(env)) {
+    const std::string line = process_.WaitForLine("listening on ");
+    if (!line.empty())
+      address_ = line.substr(std::string("listening on ").size());
+  }
+  const std::string& address() const { return address_; }
+  Subprocess& process() { return process_; }
+
+ private:
+  static std::vector<std::string> WithDefaults(const std::string& binary,
+                                               std::vector<std::string> args) {
+    std::vector<std::string> argv = {binary, "--listen", "127.0.0.1:0",
+                                     "--metrics-listen", ""};
+    argv.insert(argv.end(), args.begin(), args.end());
+    return argv;
+  }
+
+  Subprocess process_;
+  std::string address_;
+};
 
 }  // namespace hsdp::testing
 
