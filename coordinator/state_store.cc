@@ -193,9 +193,12 @@ absl::Status StateStore::Update(
   absl::MutexLock lock(&mu_);
   PersistedState next = state_;
   mutate(&next);
-  absl::Status status =
-      WriteFileAtomically((fs::path(dir_) / kStateFile).string(),
-                          SerializeDeterministic(next), options_.sync);
+  std::string bytes = SerializeDeterministic(next);
+  // Many updates (a worker re-joining its own slot) change nothing: skip the
+  // write and its fsyncs.
+  if (bytes == SerializeDeterministic(state_)) return absl::OkStatus();
+  absl::Status status = WriteFileAtomically(
+      (fs::path(dir_) / kStateFile).string(), bytes, options_.sync);
   if (status.ok()) state_ = std::move(next);
   return status;
 }

@@ -55,8 +55,9 @@ class StateStore {
   // A copy of the current state (as loaded, plus updates since).
   PersistedState state() const;
 
-  // Applies `mutate` to the state and rewrites state.binpb atomically. On a
-  // write error the in-memory state is rolled back and the error returned.
+  // Applies `mutate` to the state and rewrites state.binpb atomically (no
+  // write when nothing changed). On a write error the in-memory state is
+  // rolled back and the error returned.
   absl::Status Update(const std::function<void(PersistedState*)>& mutate);
 
   // Writes the sealed bytes of `step` (once; rewriting a sealed step with

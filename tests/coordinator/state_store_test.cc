@@ -134,6 +134,22 @@ TEST(StateStoreTest, FailedUpdateKeepsPreviousState) {
   fs::remove_all(fs::path(dir) / "state.binpb.tmp");
 }
 
+TEST(StateStoreTest, NoOpUpdateDoesNotWrite) {
+  const std::string dir = FreshDir("s");
+  auto store = StateStore::Open(dir);
+  ASSERT_TRUE(store.ok());
+  ASSERT_TRUE(
+      (*store)->Update([](PersistedState* s) { s->set_generation(4); }).ok());
+  const fs::path state_file = fs::path(dir) / "state.binpb";
+  fs::remove(state_file);
+  ASSERT_TRUE(
+      (*store)->Update([](PersistedState* s) { s->set_generation(4); }).ok());
+  EXPECT_FALSE(fs::exists(state_file));
+  ASSERT_TRUE(
+      (*store)->Update([](PersistedState* s) { s->set_generation(5); }).ok());
+  EXPECT_TRUE(fs::exists(state_file));
+}
+
 TEST(StateStoreTest, WriteFileAtomicallyReplaces) {
   const fs::path path = fs::path(FreshDir("s")) / "f";
   ASSERT_TRUE(WriteFileAtomically(path.string(), "one", true).ok());
