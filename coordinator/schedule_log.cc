@@ -182,6 +182,7 @@ absl::Status ScheduleLog::SealThroughLocked(int64_t step, int64_t generation) {
     checkpoint_requests_.erase(s);
     AppendSealed(std::move(sealed));
   }
+  window_cv_.SignalAll();
   return absl::OkStatus();
 }
 
@@ -222,17 +223,22 @@ absl::StatusOr<ScheduleRead> ScheduleLog::GetSchedule(int64_t step,
     }
     // Inside the refusal limit but past the window: wait for the slowest rank
     // (or for a drain, a shutdown, or another reader to seal it).
+    // A condition variable signalled only when something a waiter checks
+    // changes (floor, seal, drain, shutdown), rather than a Mutex::Await
+    // condition that every unlock would re-evaluate for every waiter.
     auto movable = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
       return shutdown_ || step < next_unsealed_ ||
              (drain_step_ >= 0 && step > drain_step_) ||
              step <= FloorLocked() + 1 + options_.read_ahead;
     };
-    if (!mu_.AwaitWithDeadline(absl::Condition(&movable), deadline)) {
-      return absl::DeadlineExceededError(absl::StrCat(
-          "step ", step,
-          " is past the read-ahead window (slowest rank completed step ",
-          FloorLocked(), ", read-ahead ", options_.read_ahead,
-          ") and did not open in time"));
+    while (!movable()) {
+      if (window_cv_.WaitWithDeadline(&mu_, deadline) && !movable()) {
+        return absl::DeadlineExceededError(absl::StrCat(
+            "step ", step,
+            " is past the read-ahead window (slowest rank completed step ",
+            FloorLocked(), ", read-ahead ", options_.read_ahead,
+            ") and did not open in time"));
+      }
     }
   }
 }
@@ -295,6 +301,7 @@ absl::StatusOr<int64_t> ScheduleLog::Drain() {
   absl::MutexLock lock(&mu_);
   if (drain_step_ >= 0) return drain_step_;
   drain_step_ = next_unsealed_;
+  window_cv_.SignalAll();
   if (absl::Status s = PersistLocked(); !s.ok()) {
     drain_step_ = -1;
     return s;
@@ -323,6 +330,7 @@ absl::Status ScheduleLog::RecordReport(const hsdp::v1::StepReport& report) {
       min_completed_ = *std::min_element(completed_.begin(), completed_.end());
       ranks_at_min_ = static_cast<int>(
           std::count(completed_.begin(), completed_.end(), min_completed_));
+      window_cv_.SignalAll();
     }
   }
   if (planner_ != nullptr && report.peak_memory_bytes() > 0) {
@@ -348,6 +356,7 @@ absl::Status ScheduleLog::RecordReport(const hsdp::v1::StepReport& report) {
 void ScheduleLog::Shutdown() {
   absl::MutexLock lock(&mu_);
   shutdown_ = true;
+  window_cv_.SignalAll();
 }
 
 int64_t ScheduleLog::sealed_step() const {

@@ -203,6 +203,9 @@ class ScheduleLog {
   std::map<int64_t, std::set<int>> checkpoint_saves_ ABSL_GUARDED_BY(mu_);
   int64_t last_checkpoint_step_ ABSL_GUARDED_BY(mu_) = -1;
   bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
+  // Signalled (with mu_ held) when the floor, the sealed steps, the drain step
+  // or shutdown_ change: what blocked GetSchedule calls wait for.
+  absl::CondVar window_cv_;
 };
 
 }  // namespace hsdp::coordinator
