@@ -302,13 +302,22 @@ absl::StatusOr<std::string> Agent::StoreGet(const std::string& key,
   req.set_job_id(options_.job_id);
   req.set_generation(generation());
   req.set_key(key);
-  req.set_timeout_ms(static_cast<int32_t>(absl::ToInt64Milliseconds(timeout)));
   hsdp::v1::StoreGetResponse resp;
-  absl::Status s = CallWithRetry(absl::StrCat("StoreGet(", key, ")"),
-                                 timeout + kStoreDeadlineSlack,
-                                 [&](grpc::ClientContext& ctx) {
-                                   return stub_->StoreGet(&ctx, req, &resp);
-                                 });
+  // The coordinator may cap one call's wait below `timeout`: keep asking until
+  // ours runs out.
+  const absl::Time deadline = absl::Now() + timeout;
+  absl::Status s;
+  do {
+    const absl::Duration left =
+        std::max(deadline - absl::Now(), absl::ZeroDuration());
+    req.set_timeout_ms(static_cast<int32_t>(absl::ToInt64Milliseconds(left)));
+    s = CallWithRetry(absl::StrCat("StoreGet(", key, ")"),
+                      left + kStoreDeadlineSlack,
+                      [&](grpc::ClientContext& ctx) {
+                        return stub_->StoreGet(&ctx, req, &resp);
+                      });
+  } while (s.code() == absl::StatusCode::kDeadlineExceeded &&
+           absl::Now() < deadline);
   if (!s.ok()) return s;
   return resp.value();
 }
@@ -319,13 +328,21 @@ absl::Status Agent::StoreWait(const std::vector<std::string>& keys,
   req.set_job_id(options_.job_id);
   req.set_generation(generation());
   for (const auto& k : keys) req.add_keys(k);
-  req.set_timeout_ms(static_cast<int32_t>(absl::ToInt64Milliseconds(timeout)));
   hsdp::v1::StoreWaitResponse resp;
-  return CallWithRetry(
-      absl::StrCat("StoreWait(", absl::StrJoin(keys, ","), ")"),
-      timeout + kStoreDeadlineSlack, [&](grpc::ClientContext& ctx) {
-        return stub_->StoreWait(&ctx, req, &resp);
-      });
+  const absl::Time deadline = absl::Now() + timeout;
+  absl::Status s;
+  do {
+    const absl::Duration left =
+        std::max(deadline - absl::Now(), absl::ZeroDuration());
+    req.set_timeout_ms(static_cast<int32_t>(absl::ToInt64Milliseconds(left)));
+    s = CallWithRetry(absl::StrCat("StoreWait(", absl::StrJoin(keys, ","), ")"),
+                      left + kStoreDeadlineSlack,
+                      [&](grpc::ClientContext& ctx) {
+                        return stub_->StoreWait(&ctx, req, &resp);
+                      });
+  } while (s.code() == absl::StatusCode::kDeadlineExceeded &&
+           absl::Now() < deadline);
+  return s;
 }
 
 int Agent::rank() const {
