@@ -4,7 +4,7 @@
 # and nothing else.
 #   runtime-deps.sh OUT_DIR BINARY...
 # Writes OUT_DIR/packages.txt: the Debian/Ubuntu packages owning each linked library (runtime
-# library packages, never -dev ones: the linker resolved the versioned .so), and copies libraries
+# library packages, never -dev ones: the loader resolved versioned .so files), and copies libraries
 # that no package owns (e.g. a CUDA LibTorch from a Python wheel) under OUT_DIR/root/ at their
 # absolute paths, so the binaries' RUNPATH still finds them after `COPY --from=build OUT/root/ /`.
 # Fails when a library is missing, except the GPU driver's (the NVIDIA container runtime mounts
@@ -13,39 +13,59 @@ set -euo pipefail
 out="$1"
 shift
 mkdir -p "$out/root"
-: >"$out/packages.txt"
-driver_libs='^(libcuda\.so|libnvidia-ml\.so|libnvidia-)'
-declare -A seen=()
+driver_libs='^(libcuda\.so|libnvidia-)'
 status=0
+
+# Every library the loader resolves, once.
+declare -A libs=()
 for bin in "$@"; do
   while read -r name path; do
     if [ "$path" = "not" ] || [ -z "$path" ]; then
-      if [[ "$name" =~ $driver_libs ]]; then
-        continue
-      fi
+      [[ "$name" =~ $driver_libs ]] && continue
       echo "runtime-deps: $bin needs $name, which is not found" >&2
       status=1
       continue
     fi
-    [ -n "${seen[$path]:-}" ] && continue
-    seen[$path]=1
-    real="$(readlink -f "$path")"
-    pkg=""
-    for candidate in "$path" "$real" "/usr$path" "/usr$real" "${path#/usr}" "${real#/usr}"; do
-      [ -n "$candidate" ] || continue
-      if owner="$(dpkg-query -S "$candidate" 2>/dev/null | head -n1)"; then
-        pkg="${owner%%:*}"
-        break
-      fi
-    done
-    if [ -n "$pkg" ]; then
-      echo "$pkg" >>"$out/packages.txt"
-    else
-      # Keep the name the loader looks for (a symlink) and the file behind it.
-      cp -a --parents "$path" "$out/root/"
-      [ "$real" = "$path" ] || cp -a --parents "$real" "$out/root/"
-    fi
+    libs[$path]=1
   done < <(ldd "$bin" | awk '/=>/ {print $1, $3} !/=>/ && /^\t\// {print $1, $1}')
+done
+
+# Owners in one dpkg query (one call per library takes minutes for a LibTorch binary). With
+# merged /usr a library may be registered under /lib or /usr/lib, by its link name or its target:
+# ask for every spelling.
+declare -A spellings=()
+for path in "${!libs[@]}"; do
+  real="$(readlink -f "$path")"
+  for c in "$path" "$real"; do
+    spellings[$c]=1
+    spellings[/usr${c}]=1
+    spellings[${c#/usr}]=1
+  done
+done
+declare -A owner=()
+while IFS= read -r line; do
+  pkgs="${line%%: /*}"
+  file="/${line#*: /}"
+  owner[$file]="${pkgs%%,*}"
+done < <(dpkg-query -S "${!spellings[@]}" 2>/dev/null || true)
+
+: >"$out/packages.txt"
+for path in "${!libs[@]}"; do
+  real="$(readlink -f "$path")"
+  pkg=""
+  for c in "$path" "$real" "/usr$path" "/usr$real" "${path#/usr}" "${real#/usr}"; do
+    if [ -n "${owner[$c]:-}" ]; then
+      pkg="${owner[$c]}"
+      break
+    fi
+  done
+  if [ -n "$pkg" ]; then
+    echo "${pkg%%:*}" >>"$out/packages.txt"
+  else
+    # Keep the name the loader looks for (a symlink) and the file behind it.
+    cp -a --parents "$path" "$out/root/"
+    [ "$real" = "$path" ] || cp -a --parents "$real" "$out/root/"
+  fi
 done
 sort -u -o "$out/packages.txt" "$out/packages.txt"
 if grep -E -- '-dev$' "$out/packages.txt" >&2; then

@@ -18,10 +18,11 @@ trap 'rm -rf "$out"' EXIT
 n="$(wc -l <"$out/packages.txt")"
 [ "$n" -gt 0 ] || { echo "FAIL: no runtime packages found"; exit 1; }
 grep -qx libc6 "$out/packages.txt" || { echo "FAIL: libc6 missing from the list"; exit 1; }
-while read -r pkg; do
-  dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'install ok installed' ||
-    { echo "FAIL: $pkg is not an installed package"; exit 1; }
-done <"$out/packages.txt"
+mapfile -t pkgs <"$out/packages.txt"
+installed="$(dpkg-query -W -f='${Package} ${db:Status-Status}\n' "${pkgs[@]}" 2>/dev/null |
+  awk '$2 == "installed" {print $1}' | sort -u)"
+missing="$(comm -23 "$out/packages.txt" <(echo "$installed"))"
+[ -z "$missing" ] || { echo "FAIL: not installed packages: $missing"; exit 1; }
 extra="$(cd "$out/root" && find . -type f | wc -l)"
 echo "final stage would install $n runtime packages: $(tr '\n' ' ' <"$out/packages.txt")"
 echo "libraries copied outside packages: $extra"
