@@ -83,6 +83,12 @@ absl::StatusOr<std::vector<std::string>> ExchangePairAddresses(
   return theirs;
 }
 
+// "[10.0.0.5]" of "[10.0.0.5]:4242" (Gloo's address format), "" if none.
+std::string HostOf(const std::string& address) {
+  const size_t end = address.find(']');
+  return end == std::string::npos ? "" : address.substr(0, end + 1);
+}
+
 // All-gather output / reduce-scatter input (`whole`) must hold `size` x the
 // elements of the per-rank `part`, in the same dtype.
 absl::Status CheckPartAndWhole(const std::string& where, const Buffer& part,
@@ -116,6 +122,27 @@ struct WorkState {
 };
 
 }  // namespace
+
+int FindPeerInGlooError(const std::string& text,
+                        const std::vector<std::string>& peer_addresses) {
+  const int size = static_cast<int>(peer_addresses.size());
+  for (int p = 0; p < size; ++p) {
+    if (!peer_addresses[p].empty() &&
+        absl::StrContains(text, peer_addresses[p])) {
+      return p;
+    }
+  }
+  // The accepting end of a pair knows the peer by its ephemeral port, which no
+  // one published; the host alone still names the peer when it is unique.
+  int found = -1;
+  for (int p = 0; p < size; ++p) {
+    const std::string host = HostOf(peer_addresses[p]);
+    if (host.empty() || !absl::StrContains(text, host + ":")) continue;
+    if (found >= 0) return -1;  // several peers on that host
+    found = p;
+  }
+  return found;
+}
 
 struct GlooCommunicator::Task {
   std::string what;
@@ -360,13 +387,9 @@ absl::Status GlooCommunicator::Core::CurrentExceptionToStatus(
           "or dead); Gloo: ",
           text));
     }
-    std::string peer = "a peer";
-    for (int p = 0; p < size; ++p) {
-      if (!peer_addresses[p].empty() &&
-          absl::StrContains(text, peer_addresses[p])) {
-        peer = absl::StrCat("peer rank ", p);
-      }
-    }
+    const int lost = FindPeerInGlooError(text, peer_addresses);
+    const std::string peer =
+        lost >= 0 ? absl::StrCat("peer rank ", lost) : std::string("a peer");
     return absl::UnavailableError(
         absl::StrCat(where, " failed: lost ", peer,
                      " (connection closed or reset); Gloo: ", text));

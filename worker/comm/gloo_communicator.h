@@ -26,6 +26,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -131,6 +132,14 @@ class GlooCommunicator final : public Communicator {
   const std::shared_ptr<Core> core_;
   std::thread thread_;
 };
+
+// Which peer a Gloo error names: Gloo reports a lost connection with the TCP
+// address of the peer's end; `peer_addresses[p]` is the address peer p
+// published for its end of our pair ("" for this rank). Matches the exact
+// address, else the host when exactly one peer lives there; -1 if unknown.
+// Exposed for tests.
+int FindPeerInGlooError(const std::string& text,
+                        const std::vector<std::string>& peer_addresses);
 
 }  // namespace hsdp::comm
 

@@ -1,5 +1,6 @@
 #include "worker/comm/gloo_store.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -9,7 +10,13 @@ namespace hsdp::comm {
 
 GlooStoreAdapter::GlooStoreAdapter(hsdp::comm::Store& store, std::string prefix,
                                    absl::Duration timeout)
-    : store_(store), prefix_(std::move(prefix)), timeout_(timeout) {}
+    : store_(store),
+      prefix_(std::move(prefix)),
+      deadline_(absl::Now() + timeout) {}
+
+absl::Duration GlooStoreAdapter::Remaining() const {
+  return std::max(deadline_ - absl::Now(), absl::ZeroDuration());
+}
 
 std::string GlooStoreAdapter::FullKey(const std::string& key) const {
   return absl::StrCat(prefix_, "/", key);
@@ -31,13 +38,13 @@ void GlooStoreAdapter::set(const std::string& key,
 }
 
 std::vector<char> GlooStoreAdapter::get(const std::string& key) {
-  absl::StatusOr<std::string> value = store_.Get(FullKey(key), timeout_);
+  absl::StatusOr<std::string> value = store_.Get(FullKey(key), Remaining());
   if (!value.ok()) Fail(value.status());
   return std::vector<char>(value->begin(), value->end());
 }
 
 void GlooStoreAdapter::wait(const std::vector<std::string>& keys) {
-  wait(keys, std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout_)));
+  wait(keys, gloo::kNoTimeout);
 }
 
 void GlooStoreAdapter::wait(const std::vector<std::string>& keys,
@@ -45,10 +52,11 @@ void GlooStoreAdapter::wait(const std::vector<std::string>& keys,
   std::vector<std::string> full_keys;
   full_keys.reserve(keys.size());
   for (const std::string& key : keys) full_keys.push_back(FullKey(key));
-  // Gloo passes kNoTimeout (0) for "forever"; we never wait forever, so fall
-  // back to ours.
-  absl::Duration bound =
-      timeout.count() > 0 ? absl::Milliseconds(timeout.count()) : timeout_;
+  // Gloo passes kNoTimeout (0) for "forever"; we never wait past the
+  // deadline.
+  absl::Duration bound = Remaining();
+  if (timeout.count() > 0)
+    bound = std::min(bound, absl::Milliseconds(timeout.count()));
   absl::Status status = store_.Wait(full_keys, bound);
   if (!status.ok()) Fail(status);
 }

@@ -29,8 +29,9 @@ namespace hsdp::comm {
 // in practice).
 class GlooStoreAdapter final : public gloo::rendezvous::Store {
  public:
-  // `timeout` applies to get() and to the timeout-less wait(keys), which Gloo
-  // never bounds itself.
+  // Every blocking call ends by `timeout` after construction (so one
+  // rendezvous waiting on several absent peers still ends in `timeout`, not a
+  // multiple of it); a shorter timeout Gloo passes to wait() is honoured.
   GlooStoreAdapter(hsdp::comm::Store& store, std::string prefix,
                    absl::Duration timeout);
   GlooStoreAdapter(const GlooStoreAdapter&) = delete;
@@ -53,7 +54,10 @@ class GlooStoreAdapter final : public gloo::rendezvous::Store {
 
   hsdp::comm::Store& store_;
   const std::string prefix_;
-  const absl::Duration timeout_;
+  // Time left until the deadline (never negative).
+  absl::Duration Remaining() const;
+
+  const absl::Time deadline_;
   mutable absl::Mutex mu_;
   absl::Status first_error_ ABSL_GUARDED_BY(mu_);
 };

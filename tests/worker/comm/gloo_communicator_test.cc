@@ -278,25 +278,23 @@ TEST(GlooCommunicatorTest, BadArgumentsFailWithoutCommunicating) {
 // A rank that never joins: the others' rendezvous ends within the timeout
 // naming its key.
 TEST(GlooCommunicatorTest, PeerThatNeverArrivesFailsRendezvous) {
-  constexpr int kWorld = 3;
-  constexpr int kMissing = 2;
+  // Ranks 2 and 3 never come; the two present ranks fail once (not twice) the
+  // timeout, naming both.
+  constexpr int kWorld = 4;
+  constexpr int kPresent = 2;
   InMemoryStore store;
-  RunOnRanks(kWorld - 1, [&](int rank) {
+  RunOnRanks(kPresent, [&](int rank) {
     const absl::Time start = absl::Now();
     auto comm = MakeGloo(store, "job/gen1/shard", rank, kWorld, kShortTimeout);
     const absl::Duration took = absl::Now() - start;
     ASSERT_FALSE(comm.ok());
+    const std::string message(comm.status().message());
     EXPECT_EQ(comm.status().code(), absl::StatusCode::kDeadlineExceeded)
-        << comm.status();
-    EXPECT_NE(
-        comm.status().message().find(absl::StrCat("job/gen1/shard/", kMissing)),
-        std::string::npos)
-        << comm.status();
-    EXPECT_NE(comm.status().message().find(
-                  absl::StrCat("rank(s) ", kMissing, " never arrived")),
-              std::string::npos)
-        << comm.status();
-    EXPECT_LT(took, kShortTimeout + kSlack);
+        << message;
+    EXPECT_NE(message.find("rank(s) 2, 3 never arrived"), std::string::npos)
+        << message;
+    EXPECT_NE(message.find("job/gen1/shard/2"), std::string::npos) << message;
+    EXPECT_LT(took, 2 * kShortTimeout - absl::Milliseconds(200)) << message;
   });
 }
 
@@ -354,13 +352,29 @@ TEST(GlooCommunicatorTest, PeerThatDiesMidCollectiveFailsOthers) {
         << status;
     EXPECT_NE(status.message().find("AllGather"), std::string::npos) << status;
     if (status.code() == absl::StatusCode::kUnavailable) {
-      // Gloo's error names the peer's TCP address; we map it to its rank.
-      EXPECT_NE(status.message().find(absl::StrCat("lost peer rank ", kDying)),
-                std::string::npos)
-          << status;
+      // On loopback every rank shares one host, so the peer is named only when
+      // its exact address is known (see FindPeerInGlooError); never wrongly.
+      const bool named = status.message().find(absl::StrCat(
+                             "lost peer rank ", kDying)) != std::string::npos;
+      const bool unnamed =
+          status.message().find("lost a peer") != std::string::npos;
+      EXPECT_TRUE(named || unnamed) << status;
     }
     EXPECT_LT(took, absl::Seconds(10)) << status;
   });
+}
+
+TEST(GlooCommunicatorTest, FindPeerInGlooErrorNamesRankByAddressOrHost) {
+  const std::vector<std::string> peers = {"[10.0.0.1]:4000", "",
+                                          "[10.0.0.3]:5000", "[10.0.0.3]:5001"};
+  const std::string prefix = "[pair.cc:598] Connection closed by peer ";
+  EXPECT_EQ(FindPeerInGlooError(prefix + "[10.0.0.3]:5001", peers), 3);
+  EXPECT_EQ(FindPeerInGlooError(prefix + "[10.0.0.1]:4000", peers), 0);
+  // Ephemeral port of the peer's connecting socket: its host is unique.
+  EXPECT_EQ(FindPeerInGlooError(prefix + "[10.0.0.1]:53211", peers), 0);
+  // Two peers on that host: unknown rather than a guess.
+  EXPECT_EQ(FindPeerInGlooError(prefix + "[10.0.0.3]:53211", peers), -1);
+  EXPECT_EQ(FindPeerInGlooError("Timed out waiting 1000ms", peers), -1);
 }
 
 // Work dropped without Wait(): the destructor still drains the queue and joins

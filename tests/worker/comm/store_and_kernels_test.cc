@@ -66,6 +66,24 @@ TEST(GlooStoreAdapterTest, PrefixesKeysAndHonoursTimeout) {
             std::string::npos);
 }
 
+// One deadline for the adapter's whole life: a rendezvous waiting on several
+// absent peers one after another still ends after `timeout`, not a multiple.
+TEST(GlooStoreAdapterTest, DeadlineBoundsSuccessiveWaits) {
+  constexpr absl::Duration kTimeout = absl::Milliseconds(300);
+  InMemoryStore store;
+  GlooStoreAdapter adapter(store, "p", kTimeout);
+  const absl::Time start = absl::Now();
+  EXPECT_THROW(adapter.wait({"1"}), gloo::IoException);
+  EXPECT_GE(absl::Now() - start, kTimeout - absl::Milliseconds(50));
+  const absl::Time second = absl::Now();
+  EXPECT_THROW(adapter.wait({"2"}, std::chrono::seconds(10)),
+               gloo::IoException);
+  EXPECT_THROW(adapter.get("3"), gloo::IoException);
+  EXPECT_LT(absl::Now() - second, absl::Milliseconds(200));
+  EXPECT_NE(adapter.first_error().message().find("p/1"), std::string::npos)
+      << adapter.first_error();
+}
+
 TEST(ReduceKernelsTest, HalfPrecisionConversions) {
   // bf16: exact values, round-to-nearest-even, NaN.
   EXPECT_EQ(FloatToBFloat16(1.0f), 0x3f80);
@@ -94,10 +112,11 @@ TEST(ReduceKernelsTest, HalfPrecisionConversions) {
 }
 
 TEST(ReduceKernelsTest, ReduceChunksSumsInRankOrder) {
-  // fp32: ((c0 + c1) + c2) left to right, in place into chunk 0: 1e8 + 1 rounds back to 1e8, so
-  // the result is 0 (another order would give 1).
+  // fp32: ((c0 + c1) + c2) left to right, in place into chunk 0: 1e8 + 1 rounds
+  // back to 1e8, so the result is 0 (another order would give 1).
   std::vector<float> chunks = {1e8f, 0.5f, 1.0f, 0.25f, -1e8f, 0.25f};
-  ReduceChunks(chunks.data(), 3, 2, DataType::kFloat32, ReduceOp::kSum, chunks.data());
+  ReduceChunks(chunks.data(), 3, 2, DataType::kFloat32, ReduceOp::kSum,
+               chunks.data());
   EXPECT_EQ(chunks[0], 0.0f);
   EXPECT_EQ(chunks[1], 1.0f);
   std::vector<double> avg_in = {1, 2, 4, 8};
