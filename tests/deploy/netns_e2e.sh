@@ -70,6 +70,17 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
+# Namespaces left by an earlier run of this script that was killed before its trap ran (named
+# hsdpe2e<pid>-..., that pid gone).
+for ns in $(ip netns list 2>/dev/null | awk '{print $1}' | grep -E '^hsdpe2e[0-9]+-' || true); do
+  old_pid="${ns#hsdpe2e}"
+  old_pid="${old_pid%%-*}"
+  if ! kill -0 "$old_pid" 2>/dev/null; then
+    ip netns del "$ns" 2>/dev/null && echo "removed stale namespace $ns"
+    rm -rf "/etc/netns/$ns"
+  fi
+done
+
 if ! ip netns add "$SW" 2>"$work/netns.err"; then
   skip "ip netns unavailable here: $(cat "$work/netns.err")"
 fi
