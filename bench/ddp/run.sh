@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# hsdp vs PyTorch DDP on Gloo: same GPT shape, same global batch (4 ranks x microbatch), same number
+# of single-threaded CPU processes. Prints step-time ratio and per-rank peak memory from one run.
+#
+#   bench/ddp/run.sh [BUILD_DIR]          (env: DIMS, STEPS, WARMUP, MICROBATCH_SIZE, MESH)
+# Needs Debian's python3-torch (run with /usr/bin/python3) and a built hsdp-launch/worker/coordinator.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+BUILD_DIR="${1:-build}"
+DIMS="${DIMS:-256,4,4,128}"        # gpt-small
+STEPS="${STEPS:-30}"
+WARMUP="${WARMUP:-5}"
+MICROBATCH_SIZE="${MICROBATCH_SIZE:-4}"
+MESH="${MESH:-1x4}"
+WORLD=4
+RUN_DIR="$(mktemp -d /tmp/hsdp-bench-ddp-XXXXXX)"
+
+echo "bench: dims $DIMS, $WORLD processes x 1 thread, global batch $((WORLD * MICROBATCH_SIZE)) x seq, $STEPS steps ($WARMUP warm-up), hsdp mesh $MESH"
+/usr/bin/python3 bench/ddp/ddp_gpt.py --world "$WORLD" --dims "$DIMS" --steps "$STEPS" \
+  --warmup "$WARMUP" --microbatch-size "$MICROBATCH_SIZE" >"$RUN_DIR/ddp.json"
+"$BUILD_DIR/bin/hsdp-launch" --workers "$WORLD" --mesh "$MESH" --model gpt-small --steps "$STEPS" \
+  --run-dir "$RUN_DIR" -- --dims "$DIMS" --microbatch-size "$MICROBATCH_SIZE" --threads 1 \
+  2>"$RUN_DIR/launch.log"
+
+/usr/bin/python3 - "$RUN_DIR" "$WARMUP" "$WORLD" <<'PY'
+import json, sys
+run, warmup, world = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+ddp = json.load(open(f"{run}/ddp.json"))
+ranks = [[json.loads(l) for l in open(f"{run}/worker-{r}.jsonl")] for r in range(world)]
+steps = range(warmup, len(ranks[0]))
+hsdp_step = sum(max(ranks[r][s]["step_seconds"] for r in range(world)) for s in steps) / len(steps)
+hsdp_state = [max(x["peak_memory_bytes"] for x in ranks[r]) for r in range(world)]
+hsdp_rss = [max(x["rss_peak_bytes"] for x in ranks[r]) for r in range(world)]
+mib = 1 << 20
+print(f"step time: hsdp {hsdp_step:.4f} s, ddp {ddp['step_seconds']:.4f} s, "
+      f"ratio hsdp/ddp {hsdp_step / ddp['step_seconds']:.3f}")
+print("per-rank peak parameter+gradient+AdamW bytes (MiB):")
+for r in range(world):
+    print(f"  rank {r}: hsdp {hsdp_state[r] / mib:.2f}, ddp {ddp['state_bytes_per_rank'][r] / mib:.2f}, "
+          f"ratio {hsdp_state[r] / ddp['state_bytes_per_rank'][r]:.3f}")
+print("per-rank peak RSS (MiB):")
+for r in range(world):
+    print(f"  rank {r}: hsdp {hsdp_rss[r] / mib:.0f}, ddp {ddp['rss_peak_bytes_per_rank'][r] / mib:.0f}")
+print(f"loss hsdp: step 0 {ranks[0][0]['loss']:.4f} -> step {ranks[0][-1]['step']} {ranks[0][-1]['loss']:.4f}")
+PY
+echo "bench: reports in $RUN_DIR"
