@@ -28,7 +28,12 @@ def render(target_dir):
     proc = subprocess.run(["kubectl", "kustomize", target_dir], capture_output=True, text=True,
                           timeout=120, check=False)
     if proc.returncode != 0:
-        raise RuntimeError(f"kubectl kustomize {target_dir} failed: {proc.stderr.strip()}")
+        version = subprocess.run(["kubectl", "version", "--client"], capture_output=True,
+                                 text=True, timeout=30, check=False).stdout.strip()
+        raise RuntimeError(
+            f"kubectl kustomize {target_dir} failed: {proc.stderr.strip()} [{version}; these "
+            f"kustomizations use components and replacements: they need the kustomize >= v4.1 "
+            f"built into kubectl >= 1.22]")
     return proc.stdout
 
 
