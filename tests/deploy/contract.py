@@ -27,6 +27,8 @@ CONTRACT = {
             "coordinator", "job-id", "rank-hint", "device", "model", "dims", "data", "steps",
             "microbatch-size", "lr", "checkpoint-dir", "threads", "gloo-iface", "gloo-hostname",
             "collective-timeout", "seed", "report-file", "help",
+            # In hsdp-worker --help though not in the table.
+            "coordinator-timeout",
         },
         "env": {
             "HSDP_COORDINATOR", "HSDP_JOB_ID", "HSDP_RANK_HINT", "HSDP_DEVICE", "HSDP_MODEL",
