@@ -293,7 +293,7 @@ class Checker:
                 else:
                     value = data[ref["key"]]
             sref = (e.get("valueFrom") or {}).get("secretKeyRef")
-            if sref and ref_missing(self.secret_keys(sref["name"]), sref["key"]):
+            if sref and sref["key"] not in (self.secret_keys(sref["name"]) or ()):
                 self.fail(f"container {c['name']} env {name}: Secret {sref['name']} has no key "
                           f"{sref['key']}")
             env[name] = value
@@ -442,10 +442,6 @@ class Checker:
             check()
         self.check_worker(overlay_kind)
         return list(dict.fromkeys(self.problems))  # a helper may report one problem twice
-
-
-def ref_missing(keys, key):
-    return keys is None or key not in keys
 
 
 def overlay_kind(path):
