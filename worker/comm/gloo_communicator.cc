@@ -105,8 +105,9 @@ absl::Status CheckPartAndWhole(const std::string& where, const Buffer& part,
       DataTypeName(whole.dtype), ")"));
 }
 
-// Completion state shared by the comm thread (producer) and the Work handle
-// (consumer); shared so a Work dropped without Wait() does not dangle.
+// Completion state shared by the executing thread (producer) and the Work
+// handle (consumer); shared so a Work dropped without Wait() does not dangle.
+// Thread-safe: every field is guarded by `mu`.
 struct WorkState {
   absl::Mutex mu;
   bool done ABSL_GUARDED_BY(mu) = false;
