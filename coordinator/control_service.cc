@@ -73,22 +73,12 @@ absl::Status ControlServiceImpl::Authenticate(
   return absl::OkStatus();
 }
 
-namespace {
-
-// Every method authenticates first, so an unauthenticated call reads or changes
-// nothing; then runs `body` and converts its result for the wire.
-template <typename Body>
-grpc::Status Authorized(const absl::Status& auth, Body&& body) {
-  if (!auth.ok()) return ToGrpcStatus(auth);
-  return ToGrpcStatus(body());
-}
-
-}  // namespace
-
 grpc::Status ControlServiceImpl::GetStatus(
     grpc::ServerContext* context, const hsdp::v1::GetStatusRequest* /*request*/,
     hsdp::v1::GetStatusResponse* response) {
-  return Authorized(Authenticate(*context), [&]() -> absl::Status {
+  return ServeTracked(core_.calls, [&]() -> absl::Status {
+    // First, so an unauthenticated call reads or changes nothing.
+    HSDP_RETURN_IF_ERROR(Authenticate(*context));
     const Membership& m = *core_.membership;
     const ScheduleLog& log = *core_.schedule_log;
     response->set_job_id(m.job_id());
@@ -111,7 +101,9 @@ grpc::Status ControlServiceImpl::ListWorkers(
     grpc::ServerContext* context,
     const hsdp::v1::ListWorkersRequest* /*request*/,
     hsdp::v1::ListWorkersResponse* response) {
-  return Authorized(Authenticate(*context), [&]() -> absl::Status {
+  return ServeTracked(core_.calls, [&]() -> absl::Status {
+    // First, so an unauthenticated call reads or changes nothing.
+    HSDP_RETURN_IF_ERROR(Authenticate(*context));
     for (const WorkerSnapshot& w : core_.membership->Workers()) {
       hsdp::v1::WorkerInfo* info = response->add_workers();
       info->set_rank(w.rank);
@@ -132,7 +124,9 @@ grpc::Status ControlServiceImpl::ListWorkers(
 grpc::Status ControlServiceImpl::GetPolicy(
     grpc::ServerContext* context, const hsdp::v1::GetPolicyRequest* /*request*/,
     hsdp::v1::GetPolicyResponse* response) {
-  return Authorized(Authenticate(*context), [&]() -> absl::Status {
+  return ServeTracked(core_.calls, [&]() -> absl::Status {
+    // First, so an unauthenticated call reads or changes nothing.
+    HSDP_RETURN_IF_ERROR(Authenticate(*context));
     PolicyInfo current = core_.schedule_log->CurrentPolicy();
     *response->mutable_policy() = std::move(current.policy);
     response->set_policy_version(current.version);
@@ -144,7 +138,9 @@ grpc::Status ControlServiceImpl::GetPolicy(
 grpc::Status ControlServiceImpl::SetPolicy(
     grpc::ServerContext* context, const hsdp::v1::SetPolicyRequest* request,
     hsdp::v1::SetPolicyResponse* response) {
-  return Authorized(Authenticate(*context), [&]() -> absl::Status {
+  return ServeTracked(core_.calls, [&]() -> absl::Status {
+    // First, so an unauthenticated call reads or changes nothing.
+    HSDP_RETURN_IF_ERROR(Authenticate(*context));
     if (!request->has_policy())
       return absl::InvalidArgumentError("policy: missing");
     HSDP_RETURN_IF_ERROR(CheckNoUnknownFields(request->policy()));
@@ -163,7 +159,9 @@ grpc::Status ControlServiceImpl::GetSchedule(
     grpc::ServerContext* context,
     const hsdp::v1::ControlServiceGetScheduleRequest* request,
     hsdp::v1::ControlServiceGetScheduleResponse* response) {
-  return Authorized(Authenticate(*context), [&]() -> absl::Status {
+  return ServeTracked(core_.calls, [&]() -> absl::Status {
+    // First, so an unauthenticated call reads or changes nothing.
+    HSDP_RETURN_IF_ERROR(Authenticate(*context));
     HSDP_ASSIGN_OR_RETURN(std::shared_ptr<const SealedSchedule> sealed,
                           core_.schedule_log->GetSealed(request->step()));
     *response->mutable_schedule() = sealed->schedule;
@@ -175,7 +173,9 @@ grpc::Status ControlServiceImpl::RequestCheckpoint(
     grpc::ServerContext* context,
     const hsdp::v1::RequestCheckpointRequest* /*request*/,
     hsdp::v1::RequestCheckpointResponse* response) {
-  return Authorized(Authenticate(*context), [&]() -> absl::Status {
+  return ServeTracked(core_.calls, [&]() -> absl::Status {
+    // First, so an unauthenticated call reads or changes nothing.
+    HSDP_RETURN_IF_ERROR(Authenticate(*context));
     HSDP_ASSIGN_OR_RETURN(int64_t step,
                           core_.schedule_log->RequestCheckpoint());
     response->set_step(step);
@@ -186,7 +186,9 @@ grpc::Status ControlServiceImpl::RequestCheckpoint(
 grpc::Status ControlServiceImpl::Drain(
     grpc::ServerContext* context, const hsdp::v1::DrainRequest* /*request*/,
     hsdp::v1::DrainResponse* response) {
-  return Authorized(Authenticate(*context), [&]() -> absl::Status {
+  return ServeTracked(core_.calls, [&]() -> absl::Status {
+    // First, so an unauthenticated call reads or changes nothing.
+    HSDP_RETURN_IF_ERROR(Authenticate(*context));
     HSDP_ASSIGN_OR_RETURN(int64_t last_step, core_.schedule_log->Drain());
     response->set_last_step(last_step);
     core_.membership->SetDraining(true);

@@ -24,12 +24,6 @@ namespace {
 constexpr int kHeartbeatsPerTimeout = 4;
 constexpr absl::Duration kMinHeartbeatInterval = absl::Milliseconds(50);
 
-// Runs `body` (returning absl::Status) and converts its result for the wire.
-template <typename Body>
-grpc::Status Serve(Body&& body) {
-  return ToGrpcStatus(body());
-}
-
 }  // namespace
 
 void ReportBook::Record(const hsdp::v1::StepReport& report) {
@@ -82,7 +76,7 @@ CoordinatorServiceImpl::CoordinatorServiceImpl(CoordinatorCore core)
 grpc::Status CoordinatorServiceImpl::Join(grpc::ServerContext* /*context*/,
                                           const hsdp::v1::JoinRequest* request,
                                           hsdp::v1::JoinResponse* response) {
-  return Serve([&]() -> absl::Status {
+  return ServeTracked(core_.calls, [&]() -> absl::Status {
     HSDP_RETURN_IF_ERROR(core_.membership->CheckJobId(request->job_id()));
     JoinArgs args;
     if (request->has_rank_hint() && request->rank_hint() >= 0)
@@ -128,7 +122,7 @@ grpc::Status CoordinatorServiceImpl::Join(grpc::ServerContext* /*context*/,
 grpc::Status CoordinatorServiceImpl::Heartbeat(
     grpc::ServerContext* /*context*/, const hsdp::v1::HeartbeatRequest* request,
     hsdp::v1::HeartbeatResponse* response) {
-  return Serve([&]() -> absl::Status {
+  return ServeTracked(core_.calls, [&]() -> absl::Status {
     HSDP_RETURN_IF_ERROR(core_.membership->CheckJobId(request->job_id()));
     HSDP_RETURN_IF_ERROR(
         core_.membership->Heartbeat(request->rank(), request->step()));
@@ -154,7 +148,7 @@ grpc::Status CoordinatorServiceImpl::GetSchedule(
     grpc::ServerContext* context, const hsdp::v1::GetScheduleRequest* request,
     hsdp::v1::GetScheduleResponse* response) {
   const absl::Time start = absl::Now();
-  grpc::Status status = Serve([&]() -> absl::Status {
+  grpc::Status status = ServeTracked(core_.calls, [&]() -> absl::Status {
     HSDP_RETURN_IF_ERROR(core_.membership->CheckJobId(request->job_id()));
     HSDP_RETURN_IF_ERROR(core_.membership->CheckMember(request->rank()));
     HSDP_ASSIGN_OR_RETURN(ScheduleRead read,
@@ -180,7 +174,7 @@ grpc::Status CoordinatorServiceImpl::ReportStep(
     grpc::ServerContext* /*context*/,
     const hsdp::v1::ReportStepRequest* request,
     hsdp::v1::ReportStepResponse* /*response*/) {
-  return Serve([&]() -> absl::Status {
+  return ServeTracked(core_.calls, [&]() -> absl::Status {
     HSDP_RETURN_IF_ERROR(core_.membership->CheckJobId(request->job_id()));
     const hsdp::v1::StepReport& report = request->report();
     // A report is as good as a heartbeat (and checks the rank holds a live
@@ -213,7 +207,7 @@ absl::Status CoordinatorServiceImpl::CheckStoreScope(absl::string_view job_id,
 grpc::Status CoordinatorServiceImpl::StoreSet(
     grpc::ServerContext* /*context*/, const hsdp::v1::StoreSetRequest* request,
     hsdp::v1::StoreSetResponse* /*response*/) {
-  return Serve([&]() -> absl::Status {
+  return ServeTracked(core_.calls, [&]() -> absl::Status {
     HSDP_RETURN_IF_ERROR(
         CheckStoreScope(request->job_id(), request->generation()));
     return core_.kv_store->Set(request->job_id(), request->generation(),
@@ -236,7 +230,7 @@ absl::Duration StoreTimeout(const grpc::ServerContext& context,
 grpc::Status CoordinatorServiceImpl::StoreGet(
     grpc::ServerContext* context, const hsdp::v1::StoreGetRequest* request,
     hsdp::v1::StoreGetResponse* response) {
-  return Serve([&]() -> absl::Status {
+  return ServeTracked(core_.calls, [&]() -> absl::Status {
     HSDP_RETURN_IF_ERROR(
         CheckStoreScope(request->job_id(), request->generation()));
     HSDP_ASSIGN_OR_RETURN(
@@ -252,7 +246,7 @@ grpc::Status CoordinatorServiceImpl::StoreGet(
 grpc::Status CoordinatorServiceImpl::StoreWait(
     grpc::ServerContext* context, const hsdp::v1::StoreWaitRequest* request,
     hsdp::v1::StoreWaitResponse* /*response*/) {
-  return Serve([&]() -> absl::Status {
+  return ServeTracked(core_.calls, [&]() -> absl::Status {
     HSDP_RETURN_IF_ERROR(
         CheckStoreScope(request->job_id(), request->generation()));
     const std::vector<std::string> keys(request->keys().begin(),

@@ -16,6 +16,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "coordinator/grpc_status.h"
 #include "coordinator/kv_store.h"
 #include "coordinator/membership.h"
 #include "coordinator/metrics.h"
@@ -49,6 +50,47 @@ class ReportBook {
   std::map<int, hsdp::v1::StepReport> latest_ ABSL_GUARDED_BY(mu_);
 };
 
+// Counts calls being handled, so a graceful shutdown can wait for exactly those
+// and then close client connections at once (gRPC's own Shutdown(deadline)
+// also waits for idle client connections to go away, which can take the whole
+// deadline). Thread-safe.
+class CallTracker {
+ public:
+  CallTracker() = default;
+  CallTracker(const CallTracker&) = delete;
+  CallTracker& operator=(const CallTracker&) = delete;
+
+  // Marks one call in flight for its lifetime.
+  class Scope {
+   public:
+    explicit Scope(CallTracker* tracker) : tracker_(tracker) {
+      absl::MutexLock lock(&tracker_->mu_);
+      ++tracker_->active_;
+    }
+    ~Scope() {
+      absl::MutexLock lock(&tracker_->mu_);
+      --tracker_->active_;
+    }
+    Scope(const Scope&) = delete;
+    Scope& operator=(const Scope&) = delete;
+
+   private:
+    CallTracker* const tracker_;
+  };
+
+  // True when no call is in flight (waiting at most until `deadline`).
+  bool WaitIdle(absl::Time deadline) ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    auto idle = [this]()
+                    ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return active_ == 0; };
+    return mu_.AwaitWithDeadline(absl::Condition(&idle), deadline);
+  }
+
+ private:
+  absl::Mutex mu_;
+  int active_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
 // The components a service works on; owned by the server, shared by both
 // services.
 struct CoordinatorCore {
@@ -57,7 +99,16 @@ struct CoordinatorCore {
   KvStore* kv_store = nullptr;
   Metrics* metrics = nullptr;
   ReportBook* reports = nullptr;
+  CallTracker* calls = nullptr;
 };
+
+// Runs a handler body (returning absl::Status) as one tracked call and
+// converts its result for the wire.
+template <typename Body>
+grpc::Status ServeTracked(CallTracker* calls, Body&& body) {
+  CallTracker::Scope scope(calls);
+  return ToGrpcStatus(body());
+}
 
 // Pushes the worker counts, generation and sealed step into the metrics. Called
 // after membership changes (join, sweep, finish), not per report, since it

@@ -91,6 +91,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   s->kv_store_ = std::make_unique<KvStore>();
   HSDP_ASSIGN_OR_RETURN(s->metrics_, Metrics::Create(options.metrics_listen));
   s->reports_ = std::make_unique<ReportBook>();
+  s->calls_ = std::make_unique<CallTracker>();
 
   CoordinatorCore core;
   core.membership = s->membership_.get();
@@ -98,6 +99,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   core.kv_store = s->kv_store_.get();
   core.metrics = s->metrics_.get();
   core.reports = s->reports_.get();
+  core.calls = s->calls_.get();
   s->coordinator_service_ = std::make_unique<CoordinatorServiceImpl>(core);
   s->control_service_ =
       std::make_unique<ControlServiceImpl>(core, options.control_token);
@@ -169,9 +171,10 @@ void CoordinatorServer::Shutdown() {
     // the deadline.
     schedule_log_->Shutdown();
     kv_store_->Shutdown();
-    const auto deadline = std::chrono::system_clock::now() +
-                          absl::ToChronoMilliseconds(shutdown_deadline_);
-    server_->Shutdown(deadline);
+    // Our calls get until the deadline; then Shutdown(now) cancels any left
+    // and drops connections without waiting for idle clients to hang up.
+    calls_->WaitIdle(absl::Now() + shutdown_deadline_);
+    server_->Shutdown(std::chrono::system_clock::now());
     server_->Wait();
   }
   if (sweeper_.joinable()) {

@@ -23,6 +23,7 @@ class Server;
 
 namespace hsdp::coordinator {
 
+class CallTracker;
 class ControlServiceImpl;
 class CoordinatorServiceImpl;
 class KvStore;
@@ -107,6 +108,7 @@ class CoordinatorServer {
   std::unique_ptr<KvStore> kv_store_;
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<ReportBook> reports_;
+  std::unique_ptr<CallTracker> calls_;
   std::unique_ptr<CoordinatorServiceImpl> coordinator_service_;
   std::unique_ptr<ControlServiceImpl> control_service_;
   std::unique_ptr<grpc::Server> server_;

@@ -299,7 +299,8 @@ TEST(CoordinatorE2eTest, SigtermReleasesLongPollsAndExitsCleanly) {
   coordinator.process().Signal(SIGTERM);
   const RunResult r = coordinator.process().Wait();
   poll.join();
-  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+  // Well under the 10 s default shutdown deadline: nothing was left in flight.
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(3));
   EXPECT_EQ(r.exit_code, 0) << r.err;
   EXPECT_NE(r.err.find("SIGTERM: shutting down"), std::string::npos) << r.err;
   EXPECT_EQ(polled.error_code(), grpc::StatusCode::UNAVAILABLE)

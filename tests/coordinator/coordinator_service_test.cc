@@ -558,10 +558,12 @@ TEST_F(ServiceTest, ShutdownReleasesLongPollsPromptly) {
   std::this_thread::sleep_for(milliseconds(300));
   const auto start = std::chrono::steady_clock::now();
   server_->Shutdown();
+  // Shutdown itself does not sit out its deadline for the (idle, connected)
+  // client channel either.
+  const auto took = std::chrono::steady_clock::now() - start;
   poll.join();
   store.join();
-  const auto took = std::chrono::steady_clock::now() - start;
-  EXPECT_LT(took, std::chrono::seconds(5))
+  EXPECT_LT(took, std::chrono::seconds(3))
       << "long polls must not hold shutdown to its deadline";
   EXPECT_EQ(schedule_status.error_code(), grpc::StatusCode::UNAVAILABLE)
       << schedule_status.error_message();
