@@ -1,16 +1,17 @@
-// Coordinator benchmark: N simulated workers do Join -> (GetSchedule -> ReportStep) x steps
-// against a real in-process coordinator over loopback gRPC.
+// Coordinator benchmark: N simulated workers do Join -> (GetSchedule ->
+// ReportStep) x steps against a real in-process coordinator over loopback gRPC.
 //
-// Load model: training ranks are synchronised by their collectives, so every rank asks for
-// step s at about the same moment and none starts step s + 1 before all finished step s. The
-// benchmark reproduces exactly that worst case: per step, all N GetSchedule calls are issued
-// at once (a burst), then all N ReportStep calls, then a barrier. Worker calls are spread over
-// a few client threads, each driving its workers asynchronously through one completion queue
+// Load model: training ranks are synchronised by their collectives, so every
+// rank asks for step s at about the same moment and none starts step s + 1
+// before all finished step s. The benchmark reproduces exactly that worst case:
+// per step, all N GetSchedule calls are issued at once (a burst), then all N
+// ReportStep calls, then a barrier. Worker calls are spread over a few client
+// threads, each driving its workers asynchronously through one completion queue
 // and a few channels (connections), as a handful of hosts would.
 //
-// Printed per N: GetSchedule latency p50/p99 as the worker sees it (queueing in the burst
-// included), schedules served per second, wall time per step, and per-step cost relative to
-// N = 64 next to the linear expectation N / 64.
+// Printed per N: GetSchedule latency p50/p99 as the worker sees it (queueing in
+// the burst included), schedules served per second, wall time per step, and
+// per-step cost relative to N = 64 next to the linear expectation N / 64.
 #include <grpcpp/grpcpp.h>
 
 #include <CLI/CLI.hpp>
@@ -65,18 +66,20 @@ hsdp::v1::JoinRequest MakeJoin(int rank, int layers) {
   return request;
 }
 
-// One client thread's share of the workers: its ranks, its channels and its completion queue.
-// Thread-compatible: used by the one thread that owns it.
+// One client thread's share of the workers: its ranks, its channels and its
+// completion queue. Thread-compatible: used by the one thread that owns it.
 class ClientShard {
  public:
-  ClientShard(const std::string& address, std::vector<int> ranks, int channels, int shard_index)
+  ClientShard(const std::string& address, std::vector<int> ranks, int channels,
+              int shard_index)
       : ranks_(std::move(ranks)) {
     for (int c = 0; c < channels; ++c) {
       grpc::ChannelArguments args;
-      // Distinct arguments keep gRPC from sharing one connection between the channels.
+      // Distinct arguments keep gRPC from sharing one connection between the
+      // channels.
       args.SetInt("hsdp.bench.channel", shard_index * 1000 + c);
-      stubs_.push_back(CoordinatorService::NewStub(
-          grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args)));
+      stubs_.push_back(CoordinatorService::NewStub(grpc::CreateCustomChannel(
+          address, grpc::InsecureChannelCredentials(), args)));
     }
   }
 
@@ -85,17 +88,19 @@ class ClientShard {
       grpc::ClientContext context;
       context.set_deadline(std::chrono::system_clock::now() + kRpcTimeout);
       hsdp::v1::JoinResponse response;
-      grpc::Status s = Stub(i).Join(&context, MakeJoin(ranks_[i], layers), &response);
+      grpc::Status s =
+          Stub(i).Join(&context, MakeJoin(ranks_[i], layers), &response);
       if (!s.ok()) {
-        std::fprintf(stderr, "join rank %d: %s\n", ranks_[i], s.error_message().c_str());
+        std::fprintf(stderr, "join rank %d: %s\n", ranks_[i],
+                     s.error_message().c_str());
         return false;
       }
     }
     return true;
   }
 
-  // Issues every worker's GetSchedule(step) at once and collects the answers; appends the
-  // round-trip latencies (seconds). False on any error.
+  // Issues every worker's GetSchedule(step) at once and collects the answers;
+  // appends the round-trip latencies (seconds). False on any error.
   bool FetchAll(int64_t step, std::vector<double>* latencies) {
     std::vector<Call<hsdp::v1::GetScheduleResponse>> calls(ranks_.size());
     for (size_t i = 0; i < ranks_.size(); ++i) {
@@ -104,7 +109,8 @@ class ClientShard {
       request.set_rank(ranks_[i]);
       request.set_step(step);
       Start(&calls[i]);
-      calls[i].reader = Stub(i).AsyncGetSchedule(&calls[i].context, request, &cq_);
+      calls[i].reader =
+          Stub(i).AsyncGetSchedule(&calls[i].context, request, &cq_);
       calls[i].reader->Finish(&calls[i].response, &calls[i].status, &calls[i]);
     }
     if (!Drain(calls.size())) return false;
@@ -114,7 +120,8 @@ class ClientShard {
                      call.status.error_message().c_str());
         return false;
       }
-      latencies->push_back(std::chrono::duration<double>(call.done - call.start).count());
+      latencies->push_back(
+          std::chrono::duration<double>(call.done - call.start).count());
     }
     return true;
   }
@@ -131,13 +138,15 @@ class ClientShard {
       report->set_step_seconds(0.5);
       report->set_peak_memory_bytes(int64_t{8} << 30);
       Start(&calls[i]);
-      calls[i].reader = Stub(i).AsyncReportStep(&calls[i].context, request, &cq_);
+      calls[i].reader =
+          Stub(i).AsyncReportStep(&calls[i].context, request, &cq_);
       calls[i].reader->Finish(&calls[i].response, &calls[i].status, &calls[i]);
     }
     if (!Drain(calls.size())) return false;
     for (auto& call : calls) {
       if (!call.status.ok()) {
-        std::fprintf(stderr, "ReportStep: %s\n", call.status.error_message().c_str());
+        std::fprintf(stderr, "ReportStep: %s\n",
+                     call.status.error_message().c_str());
         return false;
       }
     }
@@ -165,7 +174,9 @@ class ClientShard {
     std::unique_ptr<grpc::ClientAsyncResponseReader<Response>> reader;
   };
 
-  CoordinatorService::Stub& Stub(size_t worker) { return *stubs_[worker % stubs_.size()]; }
+  CoordinatorService::Stub& Stub(size_t worker) {
+    return *stubs_[worker % stubs_.size()];
+  }
 
   static void Start(CallBase* call) {
     call->context.set_deadline(std::chrono::system_clock::now() + kRpcTimeout);
@@ -197,8 +208,10 @@ struct Result {
 };
 
 double Percentile(std::vector<double>& v, double q) {
-  const size_t k = std::min(v.size() - 1, static_cast<size_t>(q * static_cast<double>(v.size())));
-  std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(k), v.end());
+  const size_t k = std::min(
+      v.size() - 1, static_cast<size_t>(q * static_cast<double>(v.size())));
+  std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(k),
+                   v.end());
   return v[k];
 }
 
@@ -208,10 +221,12 @@ bool RunOne(const Options& options, int n, Result* result) {
   job.world_size = n;
   job.mesh = n % 8 == 0 ? hsdp::MeshShape{n / 8, 8} : hsdp::MeshShape{1, n};
   job.heartbeat_timeout = absl::Seconds(300);
-  if (!options.state_dir.empty()) job.state_dir = absl::StrCat(options.state_dir, "/n", n);
+  if (!options.state_dir.empty())
+    job.state_dir = absl::StrCat(options.state_dir, "/n", n);
   hsdp::coordinator::ServerOptions server_options;
   server_options.listen = "127.0.0.1:0";
-  auto server = hsdp::coordinator::CoordinatorServer::Start(job, server_options);
+  auto server =
+      hsdp::coordinator::CoordinatorServer::Start(job, server_options);
   if (!server.ok()) {
     std::fprintf(stderr, "start: %s\n", server.status().ToString().c_str());
     return false;
@@ -221,15 +236,18 @@ bool RunOne(const Options& options, int n, Result* result) {
   for (int t = 0; t < threads; ++t) {
     std::vector<int> ranks;
     for (int r = t; r < n; r += threads) ranks.push_back(r);
-    shards.push_back(std::make_unique<ClientShard>((*server)->address(), std::move(ranks),
-                                                   options.channels_per_thread, t));
+    shards.push_back(
+        std::make_unique<ClientShard>((*server)->address(), std::move(ranks),
+                                      options.channels_per_thread, t));
   }
   std::vector<std::vector<double>> latencies(threads);
   std::atomic<bool> failed{false};
-  // Every step: all fetch, all report, then everybody waits for everybody (the collectives).
+  // Every step: all fetch, all report, then everybody waits for everybody (the
+  // collectives).
   absl::Barrier* joined = new absl::Barrier(threads + 1);
   std::vector<absl::Barrier*> step_barriers;
-  for (int s = 0; s < options.steps; ++s) step_barriers.push_back(new absl::Barrier(threads));
+  for (int s = 0; s < options.steps; ++s)
+    step_barriers.push_back(new absl::Barrier(threads));
   Clock::time_point start;
   std::vector<std::thread> clients;
   for (int t = 0; t < threads; ++t) {
@@ -237,7 +255,8 @@ bool RunOne(const Options& options, int n, Result* result) {
       if (!shards[t]->JoinAll(options.layers)) failed = true;
       if (joined->Block()) delete joined;
       for (int s = 0; s < options.steps && !failed; ++s) {
-        if (!shards[t]->FetchAll(s, &latencies[t]) || !shards[t]->ReportAll(s)) failed = true;
+        if (!shards[t]->FetchAll(s, &latencies[t]) || !shards[t]->ReportAll(s))
+          failed = true;
         if (step_barriers[s]->Block()) delete step_barriers[s];
       }
     });
@@ -245,7 +264,8 @@ bool RunOne(const Options& options, int n, Result* result) {
   if (joined->Block()) delete joined;
   start = Clock::now();
   for (auto& c : clients) c.join();
-  const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  const double seconds =
+      std::chrono::duration<double>(Clock::now() - start).count();
   (*server)->Shutdown();
   if (failed) return false;
   std::vector<double> all;
@@ -262,28 +282,39 @@ bool RunOne(const Options& options, int n, Result* result) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Debian's Abseil is built with Mutex deadlock detection on: a lock-order
+  // graph update on every lock (~5% of the coordinator's CPU under load, gRPC's
+  // own mutexes included). Lock order is checked in tests, not in production.
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   CLI::App app{"coordinator benchmark: N simulated workers over loopback gRPC",
                "coordinator_bench"};
   Options options;
   std::string workers = "64,256,1024";
-  app.add_option("--workers", workers, "Comma-separated worker counts (first is the baseline)");
+  app.add_option("--workers", workers,
+                 "Comma-separated worker counts (first is the baseline)");
   app.add_option("--steps", options.steps, "Steps per run");
-  app.add_option("--layers", options.layers, "Transformer layers of the simulated model");
+  app.add_option("--layers", options.layers,
+                 "Transformer layers of the simulated model");
   app.add_option("--client-threads", options.client_threads, "Client threads");
-  app.add_option("--channels", options.channels_per_thread, "Connections per client thread");
-  app.add_option("--state-dir", options.state_dir, "Persist sealed steps (fsync) under DIR");
+  app.add_option("--channels", options.channels_per_thread,
+                 "Connections per client thread");
+  app.add_option("--state-dir", options.state_dir,
+                 "Persist sealed steps (fsync) under DIR");
   CLI11_PARSE(app, argc, argv);
   options.workers.clear();
   for (absl::string_view w : absl::StrSplit(workers, ',')) {
     options.workers.push_back(std::stoi(std::string(w)));
   }
 
-  std::printf("coordinator_bench: %d steps, %d units, %d client threads x %d channels, %s\n",
-              options.steps, options.layers + 1, options.client_threads,
-              options.channels_per_thread,
-              options.state_dir.empty() ? "no persistence" : "persistence with fsync");
-  std::printf("%7s %12s %12s %12s %14s %10s %14s %10s\n", "workers", "p50_ms", "p99_ms",
-              "max_ms", "schedules/s", "step_ms", "step_cost/N64", "linear");
+  std::printf(
+      "coordinator_bench: %d steps, %d units, %d client threads x %d channels, "
+      "%s\n",
+      options.steps, options.layers + 1, options.client_threads,
+      options.channels_per_thread,
+      options.state_dir.empty() ? "no persistence" : "persistence with fsync");
+  std::printf("%7s %12s %12s %12s %14s %10s %14s %10s\n", "workers", "p50_ms",
+              "p99_ms", "max_ms", "schedules/s", "step_ms", "step_cost/N64",
+              "linear");
   double baseline_step_ms = 0;
   int baseline_n = 0;
   bool ok = true;
@@ -298,9 +329,10 @@ int main(int argc, char** argv) {
       baseline_n = n;
       baseline_step_ms = r.step_ms;
     }
-    std::printf("%7d %12.3f %12.3f %12.3f %14.0f %10.2f %14.2f %10.2f\n", r.workers, r.p50_ms,
-                r.p99_ms, r.max_ms, r.schedules_per_second, r.step_ms,
-                r.step_ms / baseline_step_ms, static_cast<double>(n) / baseline_n);
+    std::printf("%7d %12.3f %12.3f %12.3f %14.0f %10.2f %14.2f %10.2f\n",
+                r.workers, r.p50_ms, r.p99_ms, r.max_ms, r.schedules_per_second,
+                r.step_ms, r.step_ms / baseline_step_ms,
+                static_cast<double>(n) / baseline_n);
     std::fflush(stdout);
   }
   return ok ? 0 : 1;
