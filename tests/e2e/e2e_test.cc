@@ -168,6 +168,12 @@ class Cluster {
     if (coordinator_.pid > 0) kill(coordinator_.pid, SIGKILL);
     for (const Proc& p : workers_) waitpid(p.pid, nullptr, 0);
     if (coordinator_.pid > 0) waitpid(coordinator_.pid, nullptr, 0);
+    // Keep the logs of a failed test for inspection; clean up after a passing
+    // one.
+    if (!::testing::Test::HasFailure()) {
+      std::error_code ec;
+      fs::remove_all(dir_, ec);
+    }
   }
 
   // Starts the coordinator (port 0 picks one; a restart passes the old port).
@@ -209,7 +215,8 @@ class Cluster {
                   << ReadFile(dir_ + "/coordinator.log");
   }
 
-  void StartWorkers(int n, const std::vector<std::string>& extra = {}) {
+  void StartWorkers(int n, const std::vector<std::string>& extra = {},
+                    int64_t steps = kSteps) {
     workers_.clear();
     for (int r = 0; r < n; ++r) {
       std::vector<std::string> args = {Bin("hsdp-worker"),
@@ -224,7 +231,7 @@ class Cluster {
                                        "--dims",
                                        kDims,
                                        "--steps",
-                                       std::to_string(kSteps),
+                                       std::to_string(steps),
                                        "--microbatch-size",
                                        "2",
                                        "--gloo-hostname",
@@ -516,3 +523,61 @@ TEST(E2eBadUseTest, DifferentModelThanTheJob) {
 }
 
 }  // namespace
+
+// ---- drain and the launcher
+// ---------------------------------------------------------------------
+
+TEST(E2eControlTest, DrainStopsEveryWorkerAtTheSameStep) {
+  Cluster c("drain");
+  c.StartCoordinator(kWorkers, kMesh);
+  c.StartWorkers(kWorkers, {}, 100000);
+  ASSERT_TRUE(c.WaitForSteps(3));
+  std::string out;
+  ASSERT_EQ(c.Ctl({"drain"}, &out), 0) << out;
+  c.WaitWorkers();  // every worker exits 0
+  // Stopped by the drain, early and on the same step everywhere.
+  const int64_t steps = StepsReported(c.report(0));
+  EXPECT_GE(steps, 3);
+  EXPECT_LT(steps, 1000);
+  for (int r = 1; r < kWorkers; ++r)
+    EXPECT_EQ(StepsReported(c.report(r)), steps) << "rank " << r;
+}
+
+TEST(E2eLaunchTest, SigtermStopsEveryProcess) {
+  const std::string dir = ::testing::TempDir() + "/hsdp-e2e-launch-term";
+  fs::remove_all(dir);
+  Proc launch = Spawn({Bin("hsdp-launch"), "--workers", "2", "--mesh", "1x2",
+                       "--steps", "100000", "--run-dir", dir, "--", "--dims",
+                       kDims, "--microbatch-size", "2"},
+                      ::testing::TempDir() + "/hsdp-e2e-launch-term.log");
+  const std::string report = dir + "/worker-0.jsonl";
+  const auto deadline = Clock::now() + std::chrono::seconds(60);
+  while (StepsReported(report) < 2 && Clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ASSERT_GE(StepsReported(report), 2);
+  kill(launch.pid, SIGTERM);
+  EXPECT_EQ(Wait(launch, std::chrono::seconds(20)), 128 + SIGTERM)
+      << ReadFile(launch.log);
+  // Nothing keeps training once the launcher is gone.
+  const int64_t after = StepsReported(report);
+  std::this_thread::sleep_for(std::chrono::seconds(1));
+  EXPECT_EQ(StepsReported(report), after);
+}
+
+TEST(E2eLaunchTest, NamesTheFirstFailedWorker) {
+  const std::string log = ::testing::TempDir() + "/hsdp-e2e-launch-fail.log";
+  fs::remove(log);
+  Proc launch =
+      Spawn({Bin("hsdp-launch"), "--workers", "2", "--model", "gpt-bogus",
+             "--run-dir", ::testing::TempDir() + "/hsdp-e2e-launch-fail"},
+            log);
+  EXPECT_EQ(Wait(launch, std::chrono::seconds(60)), 1);
+  const std::string out = ReadFile(log);
+  EXPECT_NE(
+      out.find(
+          "failed (exit status 1): hsdp-worker: unknown model 'gpt-bogus'"),
+      std::string::npos)
+      << out;
+  EXPECT_NE(out.find("worker "), std::string::npos) << out;
+}

@@ -1,5 +1,6 @@
 #include "worker/train/trainer.h"
 
+#include <glog/logging.h>
 #include <torch/nn/module.h>
 #include <torch/optim/adamw.h>
 #include <torch/serialize/input-archive.h>
@@ -517,6 +518,11 @@ absl::Status TrainReference(const ReferenceOptions& o) {
 }
 
 }  // namespace
+
+void InitLogging(const char* argv0) {
+  FLAGS_logtostderr = true;
+  if (!google::IsGoogleLoggingInitialized()) google::InitGoogleLogging(argv0);
+}
 
 absl::Status RunWorker(const WorkerOptions& options) {
   return Guard("worker", [&] { return TrainSharded(options); });

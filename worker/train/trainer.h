@@ -46,6 +46,10 @@ struct WorkerOptions {
   std::string final_params;
 };
 
+// Sets up glog (which LibTorch uses) to log to stderr without the "before
+// InitGoogleLogging" warning. Call once from main.
+void InitLogging(const char* argv0);
+
 // Joins the coordinator and trains until the last step or a drain. Resumes from
 // the latest complete checkpoint in checkpoint_dir.
 absl::Status RunWorker(const WorkerOptions& options);

@@ -131,6 +131,7 @@ int main(int argc, char** argv) {
     return kExitUsage;
   }
 
+  hsdp::train::InitLogging(argv[0]);
   if (reference) {
     ref.model = w.model;
     ref.dims = w.dims;
