@@ -296,6 +296,7 @@ EngineStats Engine::Stats() const {
     s.units.push_back(u);
   }
   s.peak_unsharded_bytes = core_->peak_unsharded_bytes;
+  s.peak_unsharded_grad_bytes = core_->peak_unsharded_grad_bytes;
   return s;
 }
 
@@ -304,6 +305,7 @@ void Engine::ResetStats() {
     if (unit != nullptr) unit->ResetStats();
   }
   core_->peak_unsharded_bytes = core_->unsharded_bytes_alive;
+  core_->peak_unsharded_grad_bytes = 0;
 }
 
 std::vector<at::Tensor> Engine::Parameters() const {

@@ -157,6 +157,9 @@ struct EngineStats {
   int64_t sharded_bytes = 0;
   int64_t unsharded_bytes_alive = 0;
   int64_t peak_unsharded_bytes = 0;  // peak of the sum over units
+  // Peak of the unsharded gradient bytes held at once (sampled at each
+  // post-backward).
+  int64_t peak_unsharded_grad_bytes = 0;
   int64_t grad_bytes = 0;
   double all_gather_seconds = 0;
   double reduce_scatter_seconds = 0;

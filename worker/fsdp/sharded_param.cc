@@ -73,7 +73,9 @@ absl::StatusOr<std::unique_ptr<ShardedParam>> ShardedParam::Create(
       .copy_(full.narrow(0, p->row_offset_, p->valid_rows_));
   // A leaf aliasing the valid rows: what the optimizer updates in place.
   p->sharded_ = p->sharded_padded_.narrow(0, 0, p->valid_rows_).detach();
-  p->sharded_.set_requires_grad(true);
+  // Frozen parameters stay frozen: no sharded grad, and the optimizer skips
+  // them.
+  p->sharded_.set_requires_grad(module_param.requires_grad());
 
   std::vector<int64_t> unsharded_shape = p->global_shape_;
   unsharded_shape[0] = p->padded_rows_ * size;

@@ -31,6 +31,19 @@ void EngineCore::AddUnshardedBytes(int64_t delta) {
   peak_unsharded_bytes = std::max(peak_unsharded_bytes, unsharded_bytes_alive);
 }
 
+void EngineCore::SampleUnshardedGradBytes() {
+  int64_t bytes = 0;
+  for (const auto& unit : units) {
+    if (unit == nullptr) continue;
+    for (const ShardedParam* p : unit->params()) {
+      const at::Tensor g = p->unsharded_grad();
+      if (g.defined())
+        bytes += static_cast<int64_t>(g.numel() * g.element_size());
+    }
+  }
+  peak_unsharded_grad_bytes = std::max(peak_unsharded_grad_bytes, bytes);
+}
+
 void EngineCore::FinishPendingReductions() {
   std::vector<UnitGroup*> pending;
   pending.swap(pending_reductions);
@@ -188,6 +201,7 @@ void UnitGroup::PostBackward() {
   // At most one reduction in flight: bounds the flat gradient buffers alive at
   // once.
   core_->FinishPendingReductions();
+  core_->SampleUnshardedGradBytes();
   if (core_->requires_grad_sync && !params_.empty()) IssueReduction();
   if (reshard_after_backward || core_->is_last_backward) Reshard();
 }
@@ -195,6 +209,13 @@ void UnitGroup::PostBackward() {
 void UnitGroup::IssueReduction() {
   core_->CheckOk();
   rs_input_ = ReduceScatterCopyIn(params(), reduce_dtype_);
+  // Parameters that got no gradient (frozen, or unused in this graph — the same
+  // on every rank) keep an undefined sharded grad, as in single-process
+  // training, so the optimizer skips them.
+  had_grad_.resize(params_.size(), false);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (params_[i]->unsharded_grad().defined()) had_grad_[i] = true;
+  }
   for (ShardedParam* p : params()) p->ClearUnshardedGrad();
   ++stats_.reduce_scatters;
   if (core_->shard_size() > 1) {
@@ -250,8 +271,10 @@ void UnitGroup::FinishReduction() {
   }
   const std::vector<ShardedParam*> ps = params();
   const std::vector<at::Tensor> pieces = SplitReducedChunk(reduced, ps);
-  for (size_t i = 0; i < ps.size(); ++i)
-    ps[i]->AccumulateShardedGrad(pieces[i]);
+  for (size_t i = 0; i < ps.size(); ++i) {
+    if (had_grad_[i]) ps[i]->AccumulateShardedGrad(pieces[i]);
+  }
+  had_grad_.clear();
 }
 
 UnitInfo UnitGroup::Info() const {

@@ -64,6 +64,8 @@ class EngineCore {
   void CheckOk() const;
 
   void AddUnshardedBytes(int64_t delta);
+  // Samples the unsharded gradient bytes of every unit into the peak.
+  void SampleUnshardedGradBytes();
   // Waits every issued reduction and accumulates it into the sharded grads.
   void FinishPendingReductions();
   // Queues EndOfBackward on the running autograd graph task, once per backward.
@@ -94,6 +96,7 @@ class EngineCore {
   absl::Status status;
   int64_t unsharded_bytes_alive = 0;
   int64_t peak_unsharded_bytes = 0;
+  int64_t peak_unsharded_grad_bytes = 0;
 };
 
 class UnitGroup {
@@ -168,6 +171,9 @@ class UnitGroup {
   // Shard-reduced grads of earlier microbatches that still owe the replicate
   // all-reduce.
   at::Tensor partial_reduce_;
+  // Per parameter: some reduction since the last accumulation carried a
+  // gradient.
+  std::vector<bool> had_grad_;
 
   UnitStats stats_;
 };

@@ -1,0 +1,314 @@
+// Engine benchmarks, printed as ratios from one run:
+//  1. step time of the engine vs plain unsharded LibTorch on the same GPT at
+//  world 1
+//     (target <= 1.10x);
+//  2. per-rank parameter + gradient + optimizer bytes vs unsharded at world 2
+//  and 4
+//     (target <= 1/S + the largest unit);
+//  3. the engine's fused all-gather / reduce-scatter of one unit vs raw Gloo
+//  collectives of the
+//     same bytes at world 2 (target >= 0.9x throughput).
+// Ranks are threads over loopback Gloo; one intra-op thread per rank.
+#include <torch/torch.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <functional>
+#include <iostream>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "worker/comm/device_mesh.h"
+#include "worker/comm/in_memory_store.h"
+#include "worker/fsdp/fully_shard.h"
+#include "worker/fsdp/unit_group.h"
+#include "worker/models/gpt.h"
+
+namespace hsdp::fsdp {
+namespace {
+
+constexpr int kExitBadFlags = 2;
+constexpr uint64_t kSeed = 1234;
+constexpr int kWarmupSteps = 2;
+constexpr double kAdamStatesPerParam = 2;  // exp_avg, exp_avg_sq
+constexpr absl::Duration kCommTimeout = absl::Seconds(60);
+
+struct Flags {
+  std::string dims = "256,4,4,64";
+  int batch = 4;
+  int steps = 8;
+  int collective_reps = 10;
+  std::vector<int> shard_sizes = {2, 4};
+};
+
+double Seconds(const std::function<void()>& fn) {
+  const auto start = std::chrono::steady_clock::now();
+  fn();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
+      .count();
+}
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// Runs fn(rank, mesh) on `world` threads forming a 1 x world mesh.
+void RunRanks(int world,
+              const std::function<void(int, comm::DeviceMesh&)>& fn) {
+  static int run = 0;
+  const std::string prefix = absl::StrCat("fsdp-bench-", run++);
+  comm::InMemoryStore store;
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < world; ++rank) {
+    threads.emplace_back([&, rank] {
+      at::set_num_threads(1);
+      comm::GlooDeviceOptions device;
+      device.hostname = "127.0.0.1";
+      auto mesh = comm::DeviceMesh::CreateGloo(
+          comm::MeshShape{1, world}, rank, store, prefix, device, kCommTimeout);
+      if (!mesh.ok()) {
+        std::cerr << "mesh: " << mesh.status() << "\n";
+        std::exit(1);
+      }
+      fn(rank, **mesh);
+    });
+  }
+  for (auto& t : threads) t.join();
+}
+
+// A GPT sharded by the engine: one unit per block plus root; blocks enter their
+// unit.
+struct ShardedGpt {
+  models::Gpt model;
+  std::unique_ptr<Engine> engine;
+  std::unique_ptr<torch::optim::AdamW> optimizer;
+
+  ShardedGpt(const models::GptConfig& config, comm::DeviceMesh& mesh)
+      : model(config, kSeed) {
+    auto e = Engine::Create(model.ptr(),
+                            MeshComms{&mesh.shard(), &mesh.replicate()}, {});
+    if (!e.ok()) Die(e.status());
+    engine = std::move(*e);
+    for (int i = 0; i < model->num_blocks(); ++i) {
+      auto index =
+          engine->FullyShard({model->block(i).ptr()}, models::UnitName(i + 1));
+      if (!index.ok()) Die(index.status());
+    }
+    if (absl::Status s = engine->FullyShardRoot(); !s.ok()) Die(s);
+    model->set_block_runner([this](int i, const at::Tensor& x) {
+      models::Block block = model->block(i);
+      return engine->Unit(i + 1).Forward(
+          x,
+          [block](const at::Tensor& y) mutable { return block->forward(y); });
+    });
+    optimizer = std::make_unique<torch::optim::AdamW>(engine->Parameters());
+  }
+
+  void Step(const at::Tensor& tokens, const at::Tensor& targets) {
+    at::Tensor loss = engine->Root().Forward(
+        tokens, [&](const at::Tensor& t) { return model->Loss(t, targets); });
+    loss.backward();
+    optimizer->step();
+    optimizer->zero_grad();
+  }
+
+  [[noreturn]] static void Die(const absl::Status& s) {
+    std::cerr << "engine: " << s << "\n";
+    std::exit(1);
+  }
+};
+
+std::pair<at::Tensor, at::Tensor> Tokens(const models::GptConfig& config,
+                                         int batch) {
+  at::Tensor t = torch::randint(config.vocab_size, {batch, config.seq_len + 1},
+                                torch::kLong);
+  return {t.narrow(1, 0, config.seq_len).contiguous(),
+          t.narrow(1, 1, config.seq_len).contiguous()};
+}
+
+void StepTime(const models::GptConfig& config, const Flags& flags) {
+  torch::manual_seed(kSeed);
+  auto [tokens, targets] = Tokens(config, flags.batch);
+  models::Gpt plain(config, kSeed);
+  torch::optim::AdamW plain_opt(plain->parameters());
+  auto plain_step = [&] {
+    plain->Loss(tokens, targets).backward();
+    plain_opt.step();
+    plain_opt.zero_grad();
+  };
+  RunRanks(1, [&](int, comm::DeviceMesh& mesh) {
+    ShardedGpt sharded(config, mesh);
+    for (int i = 0; i < kWarmupSteps; ++i) {
+      plain_step();
+      sharded.Step(tokens, targets);
+    }
+    std::vector<double> plain_s, engine_s;
+    for (int i = 0; i < flags.steps;
+         ++i) {  // interleaved: both see the same machine load
+      plain_s.push_back(Seconds(plain_step));
+      engine_s.push_back(Seconds([&] { sharded.Step(tokens, targets); }));
+    }
+    const double ratio = Median(engine_s) / Median(plain_s);
+    std::printf(
+        "step time, world 1 (%s, batch %d, median of %d): plain %.1f ms, "
+        "engine %.1f ms, "
+        "ratio %.3fx (target <= 1.10x) %s\n",
+        flags.dims.c_str(), flags.batch, flags.steps, Median(plain_s) * 1e3,
+        Median(engine_s) * 1e3, ratio, ratio <= 1.10 ? "PASS" : "MISS");
+  });
+}
+
+int64_t OptimizerStateBytes(torch::optim::AdamW& optimizer) {
+  int64_t bytes = 0;
+  for (const auto& [key, state] : optimizer.state()) {
+    auto& s = static_cast<torch::optim::AdamWParamState&>(*state);
+    for (const at::Tensor& t :
+         {s.exp_avg(), s.exp_avg_sq(), s.max_exp_avg_sq()}) {
+      if (t.defined()) bytes += t.numel() * t.element_size();
+    }
+  }
+  return bytes;
+}
+
+void MemoryRatio(const models::GptConfig& config, const Flags& flags,
+                 int shards) {
+  RunRanks(shards, [&](int rank, comm::DeviceMesh& mesh) {
+    ShardedGpt sharded(config, mesh);
+    auto [tokens, targets] = Tokens(config, std::max(1, flags.batch / shards));
+    // Grads are inspected before zero_grad: run forward/backward/step by hand.
+    at::Tensor loss = sharded.engine->Root().Forward(
+        tokens,
+        [&](const at::Tensor& t) { return sharded.model->Loss(t, targets); });
+    loss.backward();
+    sharded.optimizer->step();
+    const EngineStats stats = sharded.engine->Stats();
+    int64_t numel = 0, largest_unit = 0;
+    for (const UnitInfo& u : sharded.engine->Units()) {
+      numel += u.numel;
+      largest_unit = std::max(largest_unit, u.unsharded_bytes);
+    }
+    const double unsharded =
+        numel * 4.0 * (2 + kAdamStatesPerParam);  // param+grad+adam
+    const double steady = stats.sharded_bytes + stats.grad_bytes +
+                          OptimizerStateBytes(*sharded.optimizer);
+    const double peak =
+        steady + stats.peak_unsharded_bytes + stats.peak_unsharded_grad_bytes;
+    // The allowance: the largest unit unsharded, parameters and gradients.
+    const double bound = 1.0 / shards + 2.0 * largest_unit / unsharded;
+    if (rank == 0) {
+      std::printf(
+          "memory, world %d (1x%d): per-rank param+grad+AdamW %.2f MB vs "
+          "unsharded %.2f MB: "
+          "steady ratio %.3f, peak ratio %.3f (peak unsharded params %.2f MB + "
+          "grads %.2f MB); "
+          "bound 1/S + largest unit = %.3f %s\n",
+          shards, shards, steady / 1e6, unsharded / 1e6, steady / unsharded,
+          peak / unsharded, stats.peak_unsharded_bytes / 1e6,
+          stats.peak_unsharded_grad_bytes / 1e6, bound,
+          peak / unsharded <= bound ? "PASS" : "MISS");
+    }
+  });
+}
+
+void CollectiveThroughput(const models::GptConfig& config, const Flags& flags) {
+  constexpr int kWorld = 2;
+  RunRanks(kWorld, [&](int rank, comm::DeviceMesh& mesh) {
+    ShardedGpt sharded(config, mesh);
+    EngineCore& core = sharded.engine->core();
+    UnitGroup& unit = *core.units[1];  // a block: the largest unit
+    const int64_t chunk = [&] {
+      int64_t n = 0;
+      for (ShardedParam* p : unit.params()) n += p->shard_numel();
+      return n;
+    }();
+    const double bytes = chunk * kWorld * 4.0;
+    at::Tensor in = torch::randn({chunk}), out = torch::empty({chunk * kWorld});
+    at::Tensor rs_in = torch::randn({chunk * kWorld}),
+               rs_out = torch::empty({chunk});
+    auto buffer = [](const at::Tensor& t) {
+      return comm::Buffer{t.data_ptr(), t.numel(), comm::DataType::kFloat32};
+    };
+    std::vector<double> raw_ag, raw_rs, eng_ag, eng_rs;
+    for (int i = 0; i < flags.collective_reps; ++i) {
+      raw_ag.push_back(Seconds([&] {
+        (void)mesh.shard().AllGather(buffer(in), buffer(out))->Wait();
+      }));
+      eng_ag.push_back(Seconds([&] {
+        unit.WaitForUnshard();
+        unit.Reshard();
+      }));
+      raw_rs.push_back(Seconds([&] {
+        (void)mesh.shard()
+            .ReduceScatter(buffer(rs_in), buffer(rs_out), comm::ReduceOp::kAvg)
+            ->Wait();
+      }));
+      for (ShardedParam* p : unit.params()) {
+        p->module_param().mutable_grad() =
+            torch::randn(p->module_param().sizes());
+      }
+      unit.post_backward_done = false;
+      eng_rs.push_back(Seconds([&] {
+        unit.PostBackward();
+        core.FinishPendingReductions();
+      }));
+    }
+    if (rank == 0) {
+      const double ag = Median(raw_ag) / Median(eng_ag),
+                   rs = Median(raw_rs) / Median(eng_rs);
+      std::printf(
+          "collectives, world 2, one block (%.2f MB gathered): all-gather "
+          "engine %.1f MB/s vs "
+          "raw Gloo %.1f MB/s = %.2fx; reduce-scatter engine %.1f MB/s vs raw "
+          "%.1f MB/s = "
+          "%.2fx (target >= 0.9x) %s\n",
+          bytes / 1e6, bytes / Median(eng_ag) / 1e6,
+          bytes / Median(raw_ag) / 1e6, ag, bytes / Median(eng_rs) / 1e6,
+          bytes / Median(raw_rs) / 1e6, rs,
+          std::min(ag, rs) >= 0.9 ? "PASS" : "MISS");
+    }
+  });
+}
+
+}  // namespace
+}  // namespace hsdp::fsdp
+
+int main(int argc, char** argv) {
+  hsdp::fsdp::Flags flags;
+  CLI::App app{
+      "Sharding engine benchmarks: step time, memory, collectives (ratios)"};
+  app.add_option("--dims", flags.dims, "GPT d_model,n_layers,n_heads,seq_len");
+  app.add_option("--batch", flags.batch, "global batch (sequences)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--steps", flags.steps, "timed steps per side")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--collective-reps", flags.collective_reps,
+                 "timed collectives per kind")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--shard-sizes", flags.shard_sizes,
+                 "worlds for the memory ratio")
+      ->delimiter(',');
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    std::cerr << "fsdp_bench: " << e.what() << "\n";
+    return hsdp::fsdp::kExitBadFlags;
+  }
+  auto config = hsdp::models::GptConfigFromDims(flags.dims);
+  if (!config.ok()) {
+    std::cerr << "fsdp_bench: --dims: " << config.status().message() << "\n";
+    return hsdp::fsdp::kExitBadFlags;
+  }
+  at::set_num_threads(1);
+  hsdp::fsdp::StepTime(*config, flags);
+  for (int s : flags.shard_sizes) hsdp::fsdp::MemoryRatio(*config, flags, s);
+  hsdp::fsdp::CollectiveThroughput(*config, flags);
+  return 0;
+}
