@@ -20,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/policy.h"
+#include "common/status_util.h"
 #include "coordinator/grpc_status.h"
 #include "hsdp/v1/control_service.grpc.pb.h"
 
@@ -82,17 +83,14 @@ class ControlClient {
     if (options.tls_ca.empty()) {
       creds = grpc::InsecureChannelCredentials();
     } else {
-      absl::StatusOr<std::string> ca = ReadFile(options.tls_ca);
-      if (!ca.ok()) return ca.status();
       grpc::SslCredentialsOptions ssl;
-      ssl.pem_root_certs = *ca;
+      HSDP_ASSIGN_OR_RETURN(ssl.pem_root_certs, ReadFile(options.tls_ca));
       creds = grpc::SslCredentials(ssl);
     }
     std::string token;
     if (!options.token_file.empty()) {
-      absl::StatusOr<std::string> contents = ReadFile(options.token_file);
-      if (!contents.ok()) return contents.status();
-      token = std::string(absl::StripAsciiWhitespace(*contents));
+      HSDP_ASSIGN_OR_RETURN(std::string contents, ReadFile(options.token_file));
+      token = std::string(absl::StripAsciiWhitespace(contents));
     }
     return ControlClient(ControlService::NewStub(
                              grpc::CreateChannel(options.coordinator, creds)),
@@ -134,6 +132,24 @@ std::string ToJson(const google::protobuf::Message& message) {
   // Printing a well-formed message cannot fail.
   (void)google::protobuf::util::MessageToJsonString(message, &json, options);
   return json;
+}
+
+// Calls `method` and prints its response: JSON with --json, else
+// `print_human(response)`.
+template <typename Request, typename Response, typename PrintHuman>
+absl::Status CallAndPrint(ControlClient& client, const GlobalOptions& g,
+                          grpc::Status (ControlService::Stub::*method)(
+                              grpc::ClientContext*, const Request&, Response*),
+                          const Request& request, std::ostream& out,
+                          PrintHuman&& print_human) {
+  Response response;
+  HSDP_RETURN_IF_ERROR(client.Call(method, request, &response));
+  if (g.json) {
+    out << ToJson(response) << "\n";
+  } else {
+    print_human(response);
+  }
+  return absl::OkStatus();
 }
 
 // Strips an enum value's type prefix for tables: JOB_STATE_RUNNING -> RUNNING.
@@ -193,92 +209,78 @@ std::string FormatDouble(double value, int precision) {
 
 absl::Status Status(ControlClient& client, const GlobalOptions& g,
                     std::ostream& out) {
-  hsdp::v1::GetStatusResponse r;
-  absl::Status s = client.Call(&ControlService::Stub::GetStatus,
-                               hsdp::v1::GetStatusRequest(), &r);
-  if (!s.ok()) return s;
-  if (g.json) {
-    out << ToJson(r) << "\n";
-    return absl::OkStatus();
-  }
-  Table t({"FIELD", "VALUE"});
-  t.Add({"job", r.job_id()});
-  t.Add({"state", ShortEnum(hsdp::v1::JobState_Name(r.state()), "JOB_STATE_")});
-  t.Add({"world", absl::StrCat(r.world_size(), " (mesh ", r.mesh().replicate(),
-                               "x", r.mesh().shard(), ")")});
-  t.Add(
-      {"workers alive", absl::StrCat(r.workers_alive(), "/", r.world_size())});
-  t.Add({"generation", std::to_string(r.generation())});
-  t.Add({"sealed step", StepOrNone(r.sealed_step())});
-  t.Add({"policy version", std::to_string(r.policy_version())});
-  t.Add({"last checkpoint", StepOrNone(r.last_checkpoint_step())});
-  t.Add({"drain step", StepOrNone(r.drain_step())});
-  t.Add({"model", r.model().empty() ? "-" : r.model()});
-  t.Add({"units", std::to_string(r.unit_count())});
-  t.Print(out);
-  return absl::OkStatus();
+  return CallAndPrint(
+      client, g, &ControlService::Stub::GetStatus, hsdp::v1::GetStatusRequest(),
+      out, [&](const hsdp::v1::GetStatusResponse& r) {
+        Table t({"FIELD", "VALUE"});
+        t.Add({"job", r.job_id()});
+        t.Add({"state",
+               ShortEnum(hsdp::v1::JobState_Name(r.state()), "JOB_STATE_")});
+        t.Add({"world",
+               absl::StrCat(r.world_size(), " (mesh ", r.mesh().replicate(),
+                            "x", r.mesh().shard(), ")")});
+        t.Add({"workers alive",
+               absl::StrCat(r.workers_alive(), "/", r.world_size())});
+        t.Add({"generation", std::to_string(r.generation())});
+        t.Add({"sealed step", StepOrNone(r.sealed_step())});
+        t.Add({"policy version", std::to_string(r.policy_version())});
+        t.Add({"last checkpoint", StepOrNone(r.last_checkpoint_step())});
+        t.Add({"drain step", StepOrNone(r.drain_step())});
+        t.Add({"model", r.model().empty() ? "-" : r.model()});
+        t.Add({"units", std::to_string(r.unit_count())});
+        t.Print(out);
+      });
 }
 
 absl::Status Workers(ControlClient& client, const GlobalOptions& g,
                      std::ostream& out) {
-  hsdp::v1::ListWorkersResponse r;
-  absl::Status s = client.Call(&ControlService::Stub::ListWorkers,
-                               hsdp::v1::ListWorkersRequest(), &r);
-  if (!s.ok()) return s;
-  if (g.json) {
-    out << ToJson(r) << "\n";
-    return absl::OkStatus();
-  }
-  Table t({"RANK", "STATE", "HOST", "DEVICE", "REPLICA", "SHARD", "HEARTBEAT",
-           "STEP", "LOSS", "STEP_S", "PEAK_MEM"});
-  for (const auto& w : r.workers()) {
-    const bool reported = w.has_last_report();
-    const auto& rep = w.last_report();
-    t.Add({std::to_string(w.rank()),
-           ShortEnum(hsdp::v1::WorkerState_Name(w.state()), "WORKER_STATE_"),
-           w.hostname().empty() ? "-" : w.hostname(),
-           w.device().empty() ? "-" : w.device(),
-           std::to_string(w.replicate_index()), std::to_string(w.shard_index()),
-           absl::StrCat(w.heartbeat_age_ms(), "ms"),
-           reported ? std::to_string(rep.step()) : "-",
-           reported ? FormatDouble(rep.loss(), 4) : "-",
-           reported ? FormatDouble(rep.step_seconds(), 3) : "-",
-           reported ? FormatBytes(rep.peak_memory_bytes()) : "-"});
-  }
-  t.Print(out);
-  return absl::OkStatus();
+  return CallAndPrint(
+      client, g, &ControlService::Stub::ListWorkers,
+      hsdp::v1::ListWorkersRequest(), out,
+      [&](const hsdp::v1::ListWorkersResponse& r) {
+        Table t({"RANK", "STATE", "HOST", "DEVICE", "REPLICA", "SHARD",
+                 "HEARTBEAT", "STEP", "LOSS", "STEP_S", "PEAK_MEM"});
+        for (const auto& w : r.workers()) {
+          const bool reported = w.has_last_report();
+          const auto& rep = w.last_report();
+          t.Add({std::to_string(w.rank()),
+                 ShortEnum(hsdp::v1::WorkerState_Name(w.state()),
+                           "WORKER_STATE_"),
+                 w.hostname().empty() ? "-" : w.hostname(),
+                 w.device().empty() ? "-" : w.device(),
+                 std::to_string(w.replicate_index()),
+                 std::to_string(w.shard_index()),
+                 absl::StrCat(w.heartbeat_age_ms(), "ms"),
+                 reported ? std::to_string(rep.step()) : "-",
+                 reported ? FormatDouble(rep.loss(), 4) : "-",
+                 reported ? FormatDouble(rep.step_seconds(), 3) : "-",
+                 reported ? FormatBytes(rep.peak_memory_bytes()) : "-"});
+        }
+        t.Print(out);
+      });
 }
 
 absl::Status PolicyGet(ControlClient& client, const GlobalOptions& g,
                        std::ostream& out) {
-  hsdp::v1::GetPolicyResponse r;
-  absl::Status s = client.Call(&ControlService::Stub::GetPolicy,
-                               hsdp::v1::GetPolicyRequest(), &r);
-  if (!s.ok()) return s;
-  if (g.json) {
-    out << ToJson(r) << "\n";
-    return absl::OkStatus();
-  }
-  out << "policy version " << r.policy_version() << ", effective from step "
-      << r.effective_step() << "\n"
-      << hsdp::DescribePolicy(r.policy());
-  return absl::OkStatus();
+  return CallAndPrint(
+      client, g, &ControlService::Stub::GetPolicy, hsdp::v1::GetPolicyRequest(),
+      out, [&](const hsdp::v1::GetPolicyResponse& r) {
+        out << "policy version " << r.policy_version()
+            << ", effective from step " << r.effective_step() << "\n"
+            << hsdp::DescribePolicy(r.policy());
+      });
 }
 
 absl::Status ApplyPolicyFlags(const PolicySetOptions& o,
                               hsdp::v1::Policy* policy) {
   std::optional<bool> raf, rab;
   if (!o.reshard_after_forward.empty()) {
-    absl::StatusOr<bool> v =
-        ParseBool("--reshard-after-forward", o.reshard_after_forward);
-    if (!v.ok()) return v.status();
-    raf = *v;
+    HSDP_ASSIGN_OR_RETURN(
+        raf, ParseBool("--reshard-after-forward", o.reshard_after_forward));
   }
   if (!o.reshard_after_backward.empty()) {
-    absl::StatusOr<bool> v =
-        ParseBool("--reshard-after-backward", o.reshard_after_backward);
-    if (!v.ok()) return v.status();
-    rab = *v;
+    HSDP_ASSIGN_OR_RETURN(
+        rab, ParseBool("--reshard-after-backward", o.reshard_after_backward));
   }
   if (!o.units.empty()) {
     if (!raf && !rab) {
@@ -332,28 +334,21 @@ absl::Status PolicySet(ControlClient& client, const GlobalOptions& g,
                        const PolicySetOptions& o, std::ostream& out) {
   hsdp::v1::SetPolicyRequest request;
   if (!o.file.empty()) {
-    absl::StatusOr<hsdp::v1::Policy> policy = hsdp::ReadPolicyFile(o.file);
-    if (!policy.ok()) return policy.status();
-    *request.mutable_policy() = *std::move(policy);
+    HSDP_ASSIGN_OR_RETURN(*request.mutable_policy(),
+                          hsdp::ReadPolicyFile(o.file));
   } else {
     hsdp::v1::GetPolicyResponse current;
-    absl::Status s = client.Call(&ControlService::Stub::GetPolicy,
-                                 hsdp::v1::GetPolicyRequest(), &current);
-    if (!s.ok()) return s;
+    HSDP_RETURN_IF_ERROR(client.Call(&ControlService::Stub::GetPolicy,
+                                     hsdp::v1::GetPolicyRequest(), &current));
     *request.mutable_policy() = current.policy();
   }
-  absl::Status s = ApplyPolicyFlags(o, request.mutable_policy());
-  if (!s.ok()) return s;
-  hsdp::v1::SetPolicyResponse r;
-  s = client.Call(&ControlService::Stub::SetPolicy, request, &r);
-  if (!s.ok()) return s;
-  if (g.json) {
-    out << ToJson(r) << "\n";
-  } else {
-    out << "policy version " << r.policy_version() << " applies from step "
-        << r.effective_step() << "\n";
-  }
-  return absl::OkStatus();
+  HSDP_RETURN_IF_ERROR(ApplyPolicyFlags(o, request.mutable_policy()));
+  return CallAndPrint(client, g, &ControlService::Stub::SetPolicy, request, out,
+                      [&](const hsdp::v1::SetPolicyResponse& r) {
+                        out << "policy version " << r.policy_version()
+                            << " applies from step " << r.effective_step()
+                            << "\n";
+                      });
 }
 
 std::string JoinInts(const google::protobuf::RepeatedField<int32_t>& values) {
@@ -364,65 +359,52 @@ absl::Status Schedule(ControlClient& client, const GlobalOptions& g,
                       int64_t step, std::ostream& out) {
   hsdp::v1::ControlServiceGetScheduleRequest request;
   request.set_step(step);
-  hsdp::v1::ControlServiceGetScheduleResponse r;
-  absl::Status s = client.Call(&ControlService::Stub::GetSchedule, request, &r);
-  if (!s.ok()) return s;
-  if (g.json) {
-    out << ToJson(r) << "\n";
-    return absl::OkStatus();
-  }
-  const auto& sched = r.schedule();
-  out << "step " << sched.step() << "  policy version "
-      << sched.policy_version() << "  generation " << sched.generation()
-      << "  checkpoint " << (sched.checkpoint() ? "yes" : "no") << "\n";
-  Table mb({"MICROBATCH", "GRAD_SYNC", "ALL_REDUCE", "LAST_BACKWARD"});
-  for (int i = 0; i < sched.microbatches_size(); ++i) {
-    const auto& m = sched.microbatches(i);
-    mb.Add({std::to_string(i), m.requires_grad_sync() ? "yes" : "no",
-            m.requires_all_reduce() ? "yes" : "no",
-            m.is_last_backward() ? "yes" : "no"});
-  }
-  mb.Print(out);
-  out << "\n";
-  Table units({"UNIT", "NAME", "RESHARD_FWD", "RESHARD_BWD", "FWD_PREFETCH",
-               "BWD_PREFETCH"});
-  for (const auto& u : sched.units()) {
-    units.Add({std::to_string(u.unit_index()), u.unit_name(),
-               u.reshard_after_forward() ? "yes" : "no",
-               u.reshard_after_backward() ? "yes" : "no",
-               JoinInts(u.forward_prefetch()),
-               JoinInts(u.backward_prefetch())});
-  }
-  units.Print(out);
-  return absl::OkStatus();
+  return CallAndPrint(
+      client, g, &ControlService::Stub::GetSchedule, request, out,
+      [&](const hsdp::v1::ControlServiceGetScheduleResponse& r) {
+        const auto& sched = r.schedule();
+        out << "step " << sched.step() << "  policy version "
+            << sched.policy_version() << "  generation " << sched.generation()
+            << "  checkpoint " << (sched.checkpoint() ? "yes" : "no") << "\n";
+        Table mb({"MICROBATCH", "GRAD_SYNC", "ALL_REDUCE", "LAST_BACKWARD"});
+        for (int i = 0; i < sched.microbatches_size(); ++i) {
+          const auto& m = sched.microbatches(i);
+          mb.Add({std::to_string(i), m.requires_grad_sync() ? "yes" : "no",
+                  m.requires_all_reduce() ? "yes" : "no",
+                  m.is_last_backward() ? "yes" : "no"});
+        }
+        mb.Print(out);
+        out << "\n";
+        Table units({"UNIT", "NAME", "RESHARD_FWD", "RESHARD_BWD",
+                     "FWD_PREFETCH", "BWD_PREFETCH"});
+        for (const auto& u : sched.units()) {
+          units.Add({std::to_string(u.unit_index()), u.unit_name(),
+                     u.reshard_after_forward() ? "yes" : "no",
+                     u.reshard_after_backward() ? "yes" : "no",
+                     JoinInts(u.forward_prefetch()),
+                     JoinInts(u.backward_prefetch())});
+        }
+        units.Print(out);
+      });
 }
 
 absl::Status Checkpoint(ControlClient& client, const GlobalOptions& g,
                         std::ostream& out) {
-  hsdp::v1::RequestCheckpointResponse r;
-  absl::Status s = client.Call(&ControlService::Stub::RequestCheckpoint,
-                               hsdp::v1::RequestCheckpointRequest(), &r);
-  if (!s.ok()) return s;
-  if (g.json) {
-    out << ToJson(r) << "\n";
-  } else {
-    out << "checkpoint scheduled after step " << r.step() << "\n";
-  }
-  return absl::OkStatus();
+  return CallAndPrint(client, g, &ControlService::Stub::RequestCheckpoint,
+                      hsdp::v1::RequestCheckpointRequest(), out,
+                      [&](const hsdp::v1::RequestCheckpointResponse& r) {
+                        out << "checkpoint scheduled after step " << r.step()
+                            << "\n";
+                      });
 }
 
 absl::Status Drain(ControlClient& client, const GlobalOptions& g,
                    std::ostream& out) {
-  hsdp::v1::DrainResponse r;
-  absl::Status s =
-      client.Call(&ControlService::Stub::Drain, hsdp::v1::DrainRequest(), &r);
-  if (!s.ok()) return s;
-  if (g.json) {
-    out << ToJson(r) << "\n";
-  } else {
-    out << "draining: last step " << r.last_step() << "\n";
-  }
-  return absl::OkStatus();
+  return CallAndPrint(client, g, &ControlService::Stub::Drain,
+                      hsdp::v1::DrainRequest(), out,
+                      [&](const hsdp::v1::DrainResponse& r) {
+                        out << "draining: last step " << r.last_step() << "\n";
+                      });
 }
 
 // One line, whatever CLI11 or the server put in the message.
