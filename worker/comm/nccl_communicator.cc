@@ -212,6 +212,8 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
   absl::Status InitComm(const ncclUniqueId& id, const std::string& store_key);
   void StartWatchdog();
   void StopWatchdog();
+  // Stops the watchdog, flushes and frees the NCCL communicator (aborts if the
+  // flush times out).
   void Destroy();
 
   enum class StreamKind { kParam, kGrad };
@@ -249,6 +251,7 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
 
  private:
   void WatchdogLoop();
+  void FinalizeComm();
   void CheckOutstanding();
 
   const int rank_;
@@ -703,6 +706,14 @@ absl::Status NcclCommState::Synchronize(absl::Duration timeout) {
 
 void NcclCommState::Destroy() {
   StopWatchdog();
+  FinalizeComm();
+  // Outstanding works point back at this state: drop them so the state
+  // (streams, events) is freed once the last Work handle goes.
+  absl::MutexLock lock(&outstanding_mu_);
+  outstanding_.clear();
+}
+
+void NcclCommState::FinalizeComm() {
   ncclComm_t comm;
   {
     absl::ReaderMutexLock lock(&mu_);
