@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "tests/worker/fsdp/fsdp_test_util.h"
 #include "worker/comm/device_mesh.h"
 #include "worker/fsdp/fully_shard.h"
@@ -314,8 +315,16 @@ TEST(StateDictTest, FullAndShardedRoundTrip) {
   });
 }
 
-TEST(FailureTest, DeadPeerFailsWithinTimeoutNamingTheCollective) {
-  constexpr auto kTimeout = absl::Seconds(4);
+// Rank 1 either dies before the first collective (its sockets close: a fast
+// UNAVAILABLE) or never issues it (DEADLINE_EXCEEDED after the collective
+// timeout). Either way rank 0's forward fails within the timeout, naming the
+// unit, the collective and the communicator, and the engine refuses to go on.
+class FailureTest : public ::testing::TestWithParam<bool> {};
+
+TEST_P(FailureTest, PeerFailsWithinTimeoutNamingTheCollective) {
+  const bool peer_dies = GetParam();
+  constexpr auto kTimeout = absl::Seconds(2);
+  constexpr double kSlackSeconds = 2.0;
   RunConfig config;
   const StateDict init = MakeInitialState(config.dims, 12);
   std::string error;
@@ -325,8 +334,12 @@ TEST(FailureTest, DeadPeerFailsWithinTimeoutNamingTheCollective) {
       [&](RankContext& ctx) {
         TinyTransformer model = MakeModel(config.dims, init);
         std::unique_ptr<Engine> engine = MakeEngine(model, ctx.comms(), config);
-        if (ctx.rank == 1)
-          return;  // dies: its communicators close with the mesh
+        if (ctx.rank == 1) {
+          // A stalled peer outlives rank 0's timeout; a dead one leaves at
+          // once.
+          if (!peer_dies) absl::SleepFor(kTimeout + absl::Seconds(1));
+          return;
+        }
         auto [tokens, targets] = Batch(config.dims, 0, 0, 4);
         const auto start = std::chrono::steady_clock::now();
         try {
@@ -339,14 +352,23 @@ TEST(FailureTest, DeadPeerFailsWithinTimeoutNamingTheCollective) {
                       std::chrono::steady_clock::now() - start)
                       .count();
         EXPECT_FALSE(engine->status().ok());
+        EXPECT_EQ(engine->status().code(),
+                  peer_dies ? absl::StatusCode::kUnavailable
+                            : absl::StatusCode::kDeadlineExceeded)
+            << engine->status();
         EXPECT_FALSE(
             engine->Apply(MakeSchedule(engine->num_units(), config), 0).ok());
       },
       kTimeout);
-  EXPECT_LT(seconds, absl::ToDoubleSeconds(kTimeout) + 2.0);
+  EXPECT_LT(seconds, absl::ToDoubleSeconds(kTimeout) + kSlackSeconds);
   EXPECT_NE(error.find("all-gather of unit root"), std::string::npos) << error;
   EXPECT_NE(error.find("gloo:shard"), std::string::npos) << error;
 }
+
+INSTANTIATE_TEST_SUITE_P(Peers, FailureTest, ::testing::Values(true, false),
+                         [](const auto& info) {
+                           return info.param ? "Dies" : "NeverArrives";
+                         });
 
 }  // namespace
 }  // namespace hsdp::fsdp::testing
