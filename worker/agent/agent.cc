@@ -110,14 +110,20 @@ absl::Status Agent::CallWithRetry(const std::string& what,
   }
 }
 
-absl::StatusOr<hsdp::v1::JoinResponse> Agent::Join() {
+hsdp::v1::JoinRequest Agent::MakeJoinRequest(
+    std::optional<int> rank_hint) const {
   hsdp::v1::JoinRequest req;
   req.set_job_id(options_.job_id);
-  if (options_.rank_hint) req.set_rank_hint(*options_.rank_hint);
+  if (rank_hint) req.set_rank_hint(*rank_hint);
   req.set_hostname(options_.hostname);
   req.set_device(options_.device);
   req.set_model(options_.model);
   for (const auto& u : options_.units) *req.add_units() = u;
+  return req;
+}
+
+absl::StatusOr<hsdp::v1::JoinResponse> Agent::Join() {
+  const hsdp::v1::JoinRequest req = MakeJoinRequest(options_.rank_hint);
   hsdp::v1::JoinResponse resp;
   absl::Status s = CallWithRetry(
       "Join", options_.rpc_timeout,
@@ -125,7 +131,6 @@ absl::StatusOr<hsdp::v1::JoinResponse> Agent::Join() {
   if (!s.ok()) return s;
   absl::MutexLock lock(&mu_);
   join_ = resp;
-  joined_ = true;
   ++join_epoch_;
   return resp;
 }
@@ -137,19 +142,15 @@ int64_t Agent::join_epoch() const {
 
 absl::Status Agent::Rejoin(int64_t seen_epoch) {
   absl::MutexLock rejoin_lock(&rejoin_mu_);
-  hsdp::v1::JoinRequest req;
   int64_t old_generation;
+  int old_rank;
   {
     absl::MutexLock lock(&mu_);
     if (join_epoch_ != seen_epoch) return membership_;
     old_generation = join_.generation();
-    req.set_rank_hint(join_.rank());
+    old_rank = join_.rank();
   }
-  req.set_job_id(options_.job_id);
-  req.set_hostname(options_.hostname);
-  req.set_device(options_.device);
-  req.set_model(options_.model);
-  for (const auto& u : options_.units) *req.add_units() = u;
+  const hsdp::v1::JoinRequest req = MakeJoinRequest(old_rank);
   hsdp::v1::JoinResponse resp;
   absl::Status s = CallWithRetry(
       "Join (after coordinator restart)", options_.rpc_timeout,

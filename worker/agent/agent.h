@@ -110,6 +110,7 @@ class Agent {
   absl::Status CallWithRetry(const std::string& what,
                              absl::Duration attempt_timeout, Fn attempt);
   absl::StatusOr<hsdp::v1::GetScheduleResponse> FetchSchedule(int64_t step);
+  hsdp::v1::JoinRequest MakeJoinRequest(std::optional<int> rank_hint) const;
   // Re-joins after a coordinator restart forgot this worker; same rank and
   // generation required. `seen_epoch` is join_epoch_ when the failing call
   // started: if another thread re-joined since, this is a no-op (two Joins for
@@ -124,7 +125,6 @@ class Agent {
 
   mutable absl::Mutex mu_;
   hsdp::v1::JoinResponse join_ ABSL_GUARDED_BY(mu_);
-  bool joined_ ABSL_GUARDED_BY(mu_) = false;
   absl::Status membership_ ABSL_GUARDED_BY(mu_);
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   // Bumped by every successful (re-)join.

@@ -301,9 +301,10 @@ absl::StatusOr<double> MeshAverage(comm::DeviceMesh& mesh, double value) {
 }
 
 absl::Status TrainSharded(const WorkerOptions& o) {
-  if (o.threads > 0) at::set_num_threads(o.threads);
+  const TrainingOptions& run = o.training;
+  if (run.threads > 0) at::set_num_threads(run.threads);
   HSDP_ASSIGN_OR_RETURN(ModelSetup setup,
-                        BuildModel(o.model, o.dims, o.data, o.seed));
+                        BuildModel(run.model, run.dims, run.data, run.seed));
   Gpt& model = setup.model;
   const c10::Device device(o.device);
 
@@ -363,7 +364,7 @@ absl::Status TrainSharded(const WorkerOptions& o) {
   } runner_reset{model};
 
   const std::vector<at::Tensor> shards = engine->Parameters();
-  torch::optim::AdamW opt(shards, torch::optim::AdamWOptions(o.lr));
+  torch::optim::AdamW opt(shards, torch::optim::AdamWOptions(run.lr));
 
   // Resume: the latest checkpoint every rank of this world size completed.
   int64_t start = 0;
@@ -378,8 +379,8 @@ absl::Status TrainSharded(const WorkerOptions& o) {
   }
 
   ReportFile report_file;
-  HSDP_RETURN_IF_ERROR(report_file.Open(o.report_file));
-  const int64_t last_step = o.steps - 1;
+  HSDP_RETURN_IF_ERROR(report_file.Open(run.report_file));
+  const int64_t last_step = run.steps - 1;
   const int64_t seq = setup.config.seq_len;
   bool drained = false;
   int64_t last_done = start - 1;
@@ -400,8 +401,8 @@ absl::Status TrainSharded(const WorkerOptions& o) {
     double local_loss = 0;
     for (int mb = 0; mb < micro; ++mb) {
       HSDP_RETURN_IF_ERROR(engine->Apply(schedule, mb));
-      TokenBatch batch = setup.data->RankMicrobatch(o.seed, step, rank, micro,
-                                                    mb, o.microbatch_size, seq);
+      TokenBatch batch = setup.data->RankMicrobatch(
+          run.seed, step, rank, micro, mb, run.microbatch_size, seq);
       at::Tensor tokens = batch.tokens.to(device),
                  targets = batch.targets.to(device);
       at::Tensor loss =
@@ -430,7 +431,8 @@ absl::Status TrainSharded(const WorkerOptions& o) {
     // alive at once.
     const int64_t peak_bytes = stats.sharded_bytes * (1 + kAdamStateCopies) +
                                stats.grad_bytes + stats.peak_unsharded_bytes;
-    const double tokens = static_cast<double>(micro * o.microbatch_size * seq);
+    const double tokens =
+        static_cast<double>(micro * run.microbatch_size * seq);
     hsdp::v1::StepReport report;
     report.set_rank(rank);
     report.set_step(step);
@@ -475,32 +477,33 @@ absl::Status TrainSharded(const WorkerOptions& o) {
     LOG(INFO) << "rank " << rank << " drained";
   }
 
-  if (!o.final_params.empty()) {
+  if (!run.final_params.empty()) {
     HSDP_ASSIGN_OR_RETURN(auto full, fsdp::FullStateDict(*engine));
-    if (rank == 0) HSDP_RETURN_IF_ERROR(SaveParams(full, o.final_params));
+    if (rank == 0) HSDP_RETURN_IF_ERROR(SaveParams(full, run.final_params));
   }
   return absl::OkStatus();
 }
 
 absl::Status TrainReference(const ReferenceOptions& o) {
-  if (o.threads > 0) at::set_num_threads(o.threads);
+  const TrainingOptions& run = o.training;
+  if (run.threads > 0) at::set_num_threads(run.threads);
   HSDP_ASSIGN_OR_RETURN(ModelSetup setup,
-                        BuildModel(o.model, o.dims, o.data, o.seed));
+                        BuildModel(run.model, run.dims, run.data, run.seed));
   Gpt& model = setup.model;
   torch::optim::AdamW opt(model->parameters(),
-                          torch::optim::AdamWOptions(o.lr));
+                          torch::optim::AdamWOptions(run.lr));
   ReportFile report_file;
-  HSDP_RETURN_IF_ERROR(report_file.Open(o.report_file));
+  HSDP_RETURN_IF_ERROR(report_file.Open(run.report_file));
   const int micro = std::max(1, o.microbatches);
   const double parts = static_cast<double>(o.world_size) * micro;
-  for (int64_t step = 0; step < o.steps; ++step) {
+  for (int64_t step = 0; step < run.steps; ++step) {
     const auto t0 = std::chrono::steady_clock::now();
     double loss = 0;
     for (int r = 0; r < o.world_size; ++r) {
       for (int mb = 0; mb < micro; ++mb) {
-        TokenBatch batch =
-            setup.data->RankMicrobatch(o.seed, step, r, micro, mb,
-                                       o.microbatch_size, setup.config.seq_len);
+        TokenBatch batch = setup.data->RankMicrobatch(run.seed, step, r, micro,
+                                                      mb, run.microbatch_size,
+                                                      setup.config.seq_len);
         at::Tensor l = model->Loss(batch.tokens, batch.targets) / parts;
         l.backward();
         loss += l.item<double>();
@@ -512,8 +515,8 @@ absl::Status TrainReference(const ReferenceOptions& o) {
         absl::StrFormat("{\"rank\":-1,\"step\":%d,%s,\"step_seconds\":%.6f}",
                         step, LossFields(loss), SecondsSince(t0)));
   }
-  if (!o.final_params.empty())
-    HSDP_RETURN_IF_ERROR(SaveParams(ModelParams(model), o.final_params));
+  if (!run.final_params.empty())
+    HSDP_RETURN_IF_ERROR(SaveParams(ModelParams(model), run.final_params));
   return absl::OkStatus();
 }
 

@@ -16,12 +16,9 @@
 
 namespace hsdp::train {
 
-struct WorkerOptions {
-  std::string coordinator = "localhost:50051";
-  std::string job_id;
-  std::optional<int> rank_hint;
-  // "cpu" or "cuda:N".
-  std::string device = "cpu";
+// What the sharded worker and the single-process reference share: the model,
+// the data and the optimisation.
+struct TrainingOptions {
   std::string model = "gpt-tiny";
   // "d_model,n_layers,n_heads,seq_len"; empty: the named model's dims.
   std::string dims;
@@ -30,20 +27,30 @@ struct WorkerOptions {
   int64_t steps = 100;
   int64_t microbatch_size = 4;
   double lr = 3e-3;
-  std::string checkpoint_dir;
-  // Intra-op threads per worker (0: leave LibTorch's default).
+  // Model init and data.
+  uint64_t seed = 0;
+  // Intra-op threads (0: leave LibTorch's default).
   int threads = 1;
+  // JSON lines, one per step (see README).
+  std::string report_file;
+  // After the last step, the full unsharded parameters are written here
+  // (LibTorch archive; rank 0 only in the sharded run).
+  std::string final_params;
+};
+
+struct WorkerOptions {
+  TrainingOptions training;
+  std::string coordinator = "localhost:50051";
+  std::string job_id;
+  std::optional<int> rank_hint;
+  // "cpu" or "cuda:N".
+  std::string device = "cpu";
+  std::string checkpoint_dir;
   std::string gloo_iface;
   std::string gloo_hostname;
   absl::Duration collective_timeout = absl::Seconds(60);
   // How long RPCs keep retrying an unreachable coordinator.
   absl::Duration coordinator_timeout = absl::Seconds(60);
-  uint64_t seed = 0;
-  // JSON lines, one per step (see README).
-  std::string report_file;
-  // After the last step, rank 0 writes the full unsharded parameters here
-  // (LibTorch archive).
-  std::string final_params;
 };
 
 // Sets up glog (which LibTorch uses) to log to stderr without the "before
@@ -55,20 +62,11 @@ void InitLogging(const char* argv0);
 absl::Status RunWorker(const WorkerOptions& options);
 
 struct ReferenceOptions {
-  std::string model = "gpt-tiny";
-  std::string dims;
-  std::string data;
-  int64_t steps = 10;
-  int64_t microbatch_size = 4;
-  double lr = 3e-3;
-  uint64_t seed = 0;
-  int threads = 1;
+  TrainingOptions training;
   // The global batch of the sharded run it mirrors: world_size ranks x
   // microbatches.
   int world_size = 1;
   int microbatches = 1;
-  std::string report_file;
-  std::string final_params;
 };
 
 // Unsharded single-process training on exactly the global batches of a sharded

@@ -72,23 +72,25 @@ int main(int argc, char** argv) {
                  "POD_NAME/HOSTNAME)")
       ->envname("HSDP_RANK_HINT");
   app.add_option("--device", w.device, "cpu or cuda:N")->envname("HSDP_DEVICE");
-  app.add_option("--model", w.model, "gpt-tiny, gpt-small, gpt-medium, gpt-1b")
+  app.add_option("--model", w.training.model,
+                 "gpt-tiny, gpt-small, gpt-medium, gpt-1b")
       ->envname("HSDP_MODEL");
-  app.add_option("--dims", w.dims,
+  app.add_option("--dims", w.training.dims,
                  "explicit dims d_model,n_layers,n_heads,seq_len");
-  app.add_option("--data", w.data,
+  app.add_option("--data", w.training.data,
                  "training text file (default: built-in corpus)")
       ->envname("HSDP_DATA");
-  app.add_option("--steps", w.steps, "total training steps")
+  app.add_option("--steps", w.training.steps, "total training steps")
       ->envname("HSDP_STEPS");
-  app.add_option("--microbatch-size", w.microbatch_size,
+  app.add_option("--microbatch-size", w.training.microbatch_size,
                  "sequences per microbatch per rank")
       ->envname("HSDP_MICROBATCH_SIZE");
-  app.add_option("--lr", w.lr, "AdamW learning rate")->envname("HSDP_LR");
+  app.add_option("--lr", w.training.lr, "AdamW learning rate")
+      ->envname("HSDP_LR");
   app.add_option("--checkpoint-dir", w.checkpoint_dir,
                  "sharded checkpoints; resume from here")
       ->envname("HSDP_CHECKPOINT_DIR");
-  app.add_option("--threads", w.threads,
+  app.add_option("--threads", w.training.threads,
                  "intra-op threads (0: LibTorch default)")
       ->envname("HSDP_THREADS");
   app.add_option("--gloo-iface", w.gloo_iface, "network interface for Gloo")
@@ -100,11 +102,12 @@ int main(int argc, char** argv) {
   app.add_option("--coordinator-timeout", coordinator_timeout,
                  "seconds to keep retrying an unreachable coordinator")
       ->envname("HSDP_COORDINATOR_TIMEOUT");
-  app.add_option("--seed", w.seed, "model init and data seed")
+  app.add_option("--seed", w.training.seed, "model init and data seed")
       ->envname("HSDP_SEED");
-  app.add_option("--report-file", w.report_file, "JSON lines, one per step")
+  app.add_option("--report-file", w.training.report_file,
+                 "JSON lines, one per step")
       ->envname("HSDP_REPORT_FILE");
-  app.add_option("--final-params", w.final_params,
+  app.add_option("--final-params", w.training.final_params,
                  "after the last step rank 0 writes the full parameters here");
   app.add_flag(
       "--reference", reference,
@@ -121,9 +124,9 @@ int main(int argc, char** argv) {
     std::cerr << "hsdp-worker: " << e.what() << " (see --help)" << std::endl;
     return kExitUsage;
   }
-  if (w.steps < 0 || w.microbatch_size <= 0 || collective_timeout <= 0 ||
-      coordinator_timeout <= 0 || ref.world_size <= 0 ||
-      ref.microbatches <= 0) {
+  if (w.training.steps < 0 || w.training.microbatch_size <= 0 ||
+      collective_timeout <= 0 || coordinator_timeout <= 0 ||
+      ref.world_size <= 0 || ref.microbatches <= 0) {
     std::cerr << "hsdp-worker: --steps must be >= 0 and --microbatch-size, "
                  "--world-size, "
                  "--microbatches and timeouts > 0"
@@ -133,16 +136,7 @@ int main(int argc, char** argv) {
 
   hsdp::train::InitLogging(argv[0]);
   if (reference) {
-    ref.model = w.model;
-    ref.dims = w.dims;
-    ref.data = w.data;
-    ref.steps = w.steps;
-    ref.microbatch_size = w.microbatch_size;
-    ref.lr = w.lr;
-    ref.seed = w.seed;
-    ref.threads = w.threads;
-    ref.report_file = w.report_file;
-    ref.final_params = w.final_params;
+    ref.training = w.training;
     absl::Status s = hsdp::train::RunReference(ref);
     return s.ok() ? 0 : Fail(std::string(s.message()));
   }
