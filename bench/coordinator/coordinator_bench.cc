@@ -9,6 +9,10 @@
 // threads, each driving its workers asynchronously through one completion queue
 // and a few channels (connections), as a handful of hosts would.
 //
+// --paced-step-ms T instead spreads the workers evenly over a step period of T
+// ms (the load of agents that prefetch the next step in the background), which
+// shows the per-call latency without a burst queued in front of it.
+//
 // Printed per N: GetSchedule latency p50/p99 as the worker sees it (queueing in
 // the burst included), schedules served per second, wall time per step, and
 // per-step cost relative to N = 64 next to the linear expectation N / 64.
@@ -46,6 +50,8 @@ struct Options {
   int client_threads = 2;
   int channels_per_thread = 4;
   std::string state_dir;  // empty: no persistence
+  // 0: burst mode; > 0: paced mode with this step period.
+  int paced_step_ms = 0;
 };
 
 hsdp::v1::JoinRequest MakeJoin(int rank, int layers) {
@@ -153,6 +159,89 @@ class ClientShard {
     return true;
   }
 
+  // Paced load: worker i fetches step s at start + phase_i + s * period, where
+  // the phases spread the workers evenly over one period, then reports. This is
+  // the load an agent that prefetches the next step in the background puts on
+  // the coordinator; the latency is the service time without a synchronised
+  // burst in front of it. Appends GetSchedule latencies; false on any error.
+  bool RunPaced(int64_t steps, std::chrono::microseconds period, int world,
+                Clock::time_point start, std::vector<double>* latencies) {
+    struct Worker {
+      int64_t step = 0;
+      Clock::time_point next;
+      bool busy = false;
+      std::unique_ptr<Call<hsdp::v1::GetScheduleResponse>> fetch;
+      std::unique_ptr<Call<hsdp::v1::ReportStepResponse>> report;
+    };
+    std::vector<Worker> workers(ranks_.size());
+    for (size_t i = 0; i < workers.size(); ++i) {
+      workers[i].next = start + period * ranks_[i] / world;
+    }
+    size_t finished = 0;
+    while (finished < workers.size()) {
+      Clock::time_point wake = Clock::now() + period;
+      for (size_t i = 0; i < workers.size(); ++i) {
+        Worker& w = workers[i];
+        if (w.busy || w.step >= steps) continue;
+        if (w.next > Clock::now()) {
+          wake = std::min(wake, w.next);
+          continue;
+        }
+        hsdp::v1::GetScheduleRequest request;
+        request.set_job_id(kJob);
+        request.set_rank(ranks_[i]);
+        request.set_step(w.step);
+        w.fetch = std::make_unique<Call<hsdp::v1::GetScheduleResponse>>();
+        Start(w.fetch.get());
+        w.fetch->reader =
+            Stub(i).AsyncGetSchedule(&w.fetch->context, request, &cq_);
+        w.fetch->reader->Finish(&w.fetch->response, &w.fetch->status,
+                                Tag(i, /*report=*/false));
+        w.busy = true;
+      }
+      void* tag;
+      bool ok;
+      // gRPC takes system_clock deadlines only.
+      const auto got = cq_.AsyncNext(
+          &tag, &ok,
+          std::chrono::system_clock::now() +
+              std::chrono::duration_cast<std::chrono::system_clock::duration>(
+                  wake - Clock::now()));
+      if (got == grpc::CompletionQueue::SHUTDOWN) return false;
+      if (got == grpc::CompletionQueue::TIMEOUT) continue;
+      if (!ok) return false;
+      const size_t i = reinterpret_cast<uintptr_t>(tag) >> 1;
+      Worker& w = workers[i];
+      if ((reinterpret_cast<uintptr_t>(tag) & 1) == 0) {  // fetched
+        if (!w.fetch->status.ok()) {
+          std::fprintf(stderr, "GetSchedule: %s\n",
+                       w.fetch->status.error_message().c_str());
+          return false;
+        }
+        latencies->push_back(
+            std::chrono::duration<double>(Clock::now() - w.fetch->start)
+                .count());
+        hsdp::v1::ReportStepRequest request;
+        request.set_job_id(kJob);
+        request.mutable_report()->set_rank(ranks_[i]);
+        request.mutable_report()->set_step(w.step);
+        w.report = std::make_unique<Call<hsdp::v1::ReportStepResponse>>();
+        Start(w.report.get());
+        w.report->reader =
+            Stub(i).AsyncReportStep(&w.report->context, request, &cq_);
+        w.report->reader->Finish(&w.report->response, &w.report->status,
+                                 Tag(i, /*report=*/true));
+      } else {  // reported
+        if (!w.report->status.ok()) return false;
+        w.busy = false;
+        ++w.step;
+        w.next += period;
+        if (w.step == steps) ++finished;
+      }
+    }
+    return true;
+  }
+
   ~ClientShard() {
     cq_.Shutdown();
     void* tag;
@@ -173,6 +262,10 @@ class ClientShard {
     Response response;
     std::unique_ptr<grpc::ClientAsyncResponseReader<Response>> reader;
   };
+
+  static void* Tag(size_t worker, bool report) {
+    return reinterpret_cast<void*>((worker << 1) | (report ? 1 : 0));
+  }
 
   CoordinatorService::Stub& Stub(size_t worker) {
     return *stubs_[worker % stubs_.size()];
@@ -254,6 +347,17 @@ bool RunOne(const Options& options, int n, Result* result) {
     clients.emplace_back([&, t] {
       if (!shards[t]->JoinAll(options.layers)) failed = true;
       if (joined->Block()) delete joined;
+      if (options.paced_step_ms > 0) {
+        if (!shards[t]->RunPaced(
+                options.steps, std::chrono::milliseconds(options.paced_step_ms),
+                n, Clock::now(), &latencies[t])) {
+          failed = true;
+        }
+        for (int s = 0; s < options.steps; ++s) {
+          if (step_barriers[s]->Block()) delete step_barriers[s];
+        }
+        return;
+      }
       for (int s = 0; s < options.steps && !failed; ++s) {
         if (!shards[t]->FetchAll(s, &latencies[t]) || !shards[t]->ReportAll(s))
           failed = true;
@@ -298,6 +402,9 @@ int main(int argc, char** argv) {
   app.add_option("--client-threads", options.client_threads, "Client threads");
   app.add_option("--channels", options.channels_per_thread,
                  "Connections per client thread");
+  app.add_option("--paced-step-ms", options.paced_step_ms,
+                 "Paced mode: step period in ms, workers spread over it "
+                 "(default 0: burst mode)");
   app.add_option("--state-dir", options.state_dir,
                  "Persist sealed steps (fsync) under DIR");
   CLI11_PARSE(app, argc, argv);
@@ -307,8 +414,12 @@ int main(int argc, char** argv) {
   }
 
   std::printf(
-      "coordinator_bench: %d steps, %d units, %d client threads x %d channels, "
-      "%s\n",
+      "coordinator_bench: %s, %d steps, %d units, %d client threads x %d "
+      "channels, %s\n",
+      options.paced_step_ms > 0
+          ? absl::StrCat("paced mode (step ", options.paced_step_ms, " ms)")
+                .c_str()
+          : "burst mode (all ranks at once, barrier per step)",
       options.steps, options.layers + 1, options.client_threads,
       options.channels_per_thread,
       options.state_dir.empty() ? "no persistence" : "persistence with fsync");
@@ -329,10 +440,15 @@ int main(int argc, char** argv) {
       baseline_n = n;
       baseline_step_ms = r.step_ms;
     }
-    std::printf("%7d %12.3f %12.3f %12.3f %14.0f %10.2f %14.2f %10.2f\n",
-                r.workers, r.p50_ms, r.p99_ms, r.max_ms, r.schedules_per_second,
-                r.step_ms, r.step_ms / baseline_step_ms,
-                static_cast<double>(n) / baseline_n);
+    std::printf("%7d %12.3f %12.3f %12.3f %14.0f %10.2f", r.workers, r.p50_ms,
+                r.p99_ms, r.max_ms, r.schedules_per_second, r.step_ms);
+    if (options.paced_step_ms > 0) {
+      // The step period is fixed in paced mode: no cost ratio to show.
+      std::printf(" %14s %10s\n", "-", "-");
+    } else {
+      std::printf(" %14.2f %10.2f\n", r.step_ms / baseline_step_ms,
+                  static_cast<double>(n) / baseline_n);
+    }
     std::fflush(stdout);
   }
   return ok ? 0 : 1;
