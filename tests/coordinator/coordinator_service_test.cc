@@ -753,6 +753,53 @@ TEST_F(ServiceTest, HealthReportsEveryServiceServing) {
       grpc::StatusCode::NOT_FOUND);
 }
 
+// Asks the reflection service to list services, over a generic bidi stream
+// (no reflection stubs are packaged): ServerReflectionRequest{list_services:
+// ""} is field 7, length 0.
+std::string ListServicesByReflection(const std::shared_ptr<grpc::Channel>& ch) {
+  grpc::GenericStub stub(ch);
+  grpc::CompletionQueue cq;
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() +
+                       std::chrono::seconds(5));
+  auto call = stub.PrepareCall(
+      &context,
+      "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", &cq);
+  void* tag;
+  bool ok = false;
+  auto step = [&](void* expected) {
+    return cq.Next(&tag, &ok) && ok && tag == expected;
+  };
+  call->StartCall(reinterpret_cast<void*>(1));
+  if (!step(reinterpret_cast<void*>(1))) return "";
+  const std::string request("\x3a\x00", 2);
+  grpc::Slice slice(request);
+  grpc::ByteBuffer out(&slice, 1), in;
+  call->Write(out, reinterpret_cast<void*>(2));
+  if (!step(reinterpret_cast<void*>(2))) return "";
+  call->Read(&in, reinterpret_cast<void*>(3));
+  if (!step(reinterpret_cast<void*>(3))) return "";
+  call->WritesDone(reinterpret_cast<void*>(4));
+  step(reinterpret_cast<void*>(4));
+  grpc::Status status;
+  call->Finish(&status, reinterpret_cast<void*>(5));
+  step(reinterpret_cast<void*>(5));
+  std::vector<grpc::Slice> slices;
+  in.Dump(&slices);
+  std::string response;
+  for (const auto& sl : slices) {
+    response.append(reinterpret_cast<const char*>(sl.begin()), sl.size());
+  }
+  return response;
+}
+
+TEST_F(ServiceTest, ReflectionListsBothServices) {
+  StartServer(1, MeshShape{1, 1});
+  const std::string listed = ListServicesByReflection(channel_);
+  EXPECT_NE(listed.find(kCoordinatorServiceName), std::string::npos) << listed;
+  EXPECT_NE(listed.find(kControlServiceName), std::string::npos) << listed;
+}
+
 // Fetches http://127.0.0.1:port/metrics with a plain socket (no HTTP client is
 // packaged).
 std::string HttpGet(int port, const std::string& path) {
