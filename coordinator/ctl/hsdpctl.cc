@@ -304,25 +304,16 @@ absl::Status ApplyPolicyFlags(const PolicySetOptions& o,
   if (o.checkpoint_interval)
     policy->set_checkpoint_interval(*o.checkpoint_interval);
   if (o.memory_budget) policy->set_memory_budget_bytes(*o.memory_budget);
+  // CLI11 already restricted both to "last" or "every".
   if (!o.grad_sync.empty()) {
-    if (o.grad_sync == "last") {
-      policy->set_grad_sync(hsdp::v1::GRAD_SYNC_MODE_LAST_MICROBATCH);
-    } else if (o.grad_sync == "every") {
-      policy->set_grad_sync(hsdp::v1::GRAD_SYNC_MODE_EVERY_MICROBATCH);
-    } else {
-      return absl::InvalidArgumentError(
-          "--grad-sync must be 'last' or 'every'");
-    }
+    policy->set_grad_sync(o.grad_sync == "every"
+                              ? hsdp::v1::GRAD_SYNC_MODE_EVERY_MICROBATCH
+                              : hsdp::v1::GRAD_SYNC_MODE_LAST_MICROBATCH);
   }
   if (!o.all_reduce.empty()) {
-    if (o.all_reduce == "last") {
-      policy->set_all_reduce(hsdp::v1::ALL_REDUCE_MODE_LAST_MICROBATCH);
-    } else if (o.all_reduce == "every") {
-      policy->set_all_reduce(hsdp::v1::ALL_REDUCE_MODE_EVERY_MICROBATCH);
-    } else {
-      return absl::InvalidArgumentError(
-          "--all-reduce must be 'last' or 'every'");
-    }
+    policy->set_all_reduce(o.all_reduce == "every"
+                               ? hsdp::v1::ALL_REDUCE_MODE_EVERY_MICROBATCH
+                               : hsdp::v1::ALL_REDUCE_MODE_LAST_MICROBATCH);
   }
   return absl::OkStatus();
 }
@@ -458,8 +449,10 @@ int RunHsdpctl(int argc, char** argv, std::ostream& out, std::ostream& err) {
                          "Backward prefetch depth");
   policy_set->add_option("--microbatches", ps.microbatches,
                          "Gradient-accumulation microbatches");
-  policy_set->add_option("--grad-sync", ps.grad_sync, "last|every");
-  policy_set->add_option("--all-reduce", ps.all_reduce, "last|every");
+  policy_set->add_option("--grad-sync", ps.grad_sync, "last|every")
+      ->check(CLI::IsMember({"last", "every"}));
+  policy_set->add_option("--all-reduce", ps.all_reduce, "last|every")
+      ->check(CLI::IsMember({"last", "every"}));
   policy_set->add_option("--checkpoint-interval", ps.checkpoint_interval,
                          "Steps (0: never)");
   policy_set->add_option("--memory-budget", ps.memory_budget,

@@ -213,6 +213,9 @@ TEST_F(HsdpctlTest, ErrorsAreOneLineWithExitCodes) {
   r = Ctl({"frobnicate"});
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_EQ(r.err.rfind("hsdpctl: ", 0), 0u) << r.err;
+  r = Ctl({"policy", "set", "--grad-sync", "sometimes"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("--grad-sync"), std::string::npos) << r.err;
   r = Ctl({"schedule"});  // --step is required
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_NE(r.err.find("--step"), std::string::npos) << r.err;
