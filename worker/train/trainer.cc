@@ -1,6 +1,7 @@
 #include "worker/train/trainer.h"
 
 #include <glog/logging.h>
+#include <torch/cuda.h>
 #include <torch/nn/module.h>
 #include <torch/optim/adamw.h>
 #include <torch/serialize/input-archive.h>
@@ -32,6 +33,9 @@
 #include "worker/agent/agent.h"
 #include "worker/agent/coordinator_store.h"
 #include "worker/comm/device_mesh.h"
+#if defined(HSDP_WITH_NCCL)
+#include "worker/comm/nccl_communicator.h"
+#endif
 #include "worker/fsdp/fully_shard.h"
 #include "worker/models/data.h"
 #include "worker/models/gpt.h"
@@ -290,14 +294,43 @@ absl::Status LoadCheckpoint(const std::string& root, int64_t step, int rank,
 
 // Averages a scalar over the whole mesh (shard group, then replicate group) so
 // every rank reports the global mean loss.
-absl::StatusOr<double> MeshAverage(comm::DeviceMesh& mesh, double value) {
-  double v = value;
-  comm::Buffer buf{&v, 1, comm::DataType::kFloat64};
+// The value lives on the compute device: NCCL only reduces device memory.
+absl::StatusOr<double> MeshAverage(comm::DeviceMesh& mesh, double value,
+                                   const c10::Device& device) {
+  at::Tensor v = at::full(
+      {1}, value, at::TensorOptions().dtype(at::kDouble).device(device));
+  comm::Buffer buf{v.data_ptr(), 1, comm::DataType::kFloat64};
   HSDP_RETURN_IF_ERROR(
       mesh.shard().AllReduce(buf, comm::ReduceOp::kAvg)->Wait());
   HSDP_RETURN_IF_ERROR(
       mesh.replicate().AllReduce(buf, comm::ReduceOp::kAvg)->Wait());
-  return v;
+  return v.item<double>();  // on CUDA this synchronises with the collective's
+                            // stream order
+}
+
+// Gloo over TCP for CPU ranks; NCCL (when built in) for CUDA ranks. Both
+// bootstrap through the coordinator's store.
+absl::StatusOr<std::unique_ptr<comm::DeviceMesh>> BuildMesh(
+    const WorkerOptions& o, const comm::MeshShape& shape, int rank,
+    comm::Store& store, const c10::Device& device) {
+  if (device.is_cuda()) {
+#if defined(HSDP_WITH_NCCL)
+    comm::NcclOptions nccl;
+    nccl.device = device.has_index() ? device.index() : 0;
+    nccl.collective_timeout = o.collective_timeout;
+    return comm::DeviceMesh::Create(shape, rank, "nccl",
+                                    comm::NcclCommunicatorFactory(store, nccl));
+#else
+    return absl::FailedPreconditionError(
+        absl::StrCat("--device ", o.device,
+                     " needs NCCL, and this hsdp-worker was built without it"));
+#endif
+  }
+  comm::GlooDeviceOptions dev;
+  dev.hostname = o.gloo_hostname;
+  dev.iface = o.gloo_iface;
+  return comm::DeviceMesh::CreateGloo(shape, rank, store, "gloo", dev,
+                                      o.collective_timeout);
 }
 
 absl::Status TrainSharded(const WorkerOptions& o) {
@@ -307,6 +340,10 @@ absl::Status TrainSharded(const WorkerOptions& o) {
                         BuildModel(run.model, run.dims, run.data, run.seed));
   Gpt& model = setup.model;
   const c10::Device device(o.device);
+  if (device.is_cuda() && !torch::cuda::is_available()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "--device ", o.device, ": no CUDA device here, or LibTorch was built without CUDA"));
+  }
 
   agent::AgentOptions ao;
   ao.coordinator = o.coordinator;
@@ -330,13 +367,8 @@ absl::Status TrainSharded(const WorkerOptions& o) {
   agent.StartHeartbeat();
 
   agent::CoordinatorStore store(agent, join.rendezvous_prefix());
-  comm::GlooDeviceOptions dev;
-  dev.hostname = o.gloo_hostname;
-  dev.iface = o.gloo_iface;
-  HSDP_ASSIGN_OR_RETURN(
-      std::unique_ptr<comm::DeviceMesh> mesh,
-      comm::DeviceMesh::CreateGloo(shape, rank, store, "gloo", dev,
-                                   o.collective_timeout));
+  HSDP_ASSIGN_OR_RETURN(std::unique_ptr<comm::DeviceMesh> mesh,
+                        BuildMesh(o, shape, rank, store, device));
 
   model->to(device);
   fsdp::EngineOptions eo;
@@ -416,7 +448,8 @@ absl::Status TrainSharded(const WorkerOptions& o) {
     const fsdp::EngineStats stats = engine->Stats();
     opt.step();
     opt.zero_grad();
-    HSDP_ASSIGN_OR_RETURN(const double loss, MeshAverage(*mesh, local_loss));
+    HSDP_ASSIGN_OR_RETURN(const double loss,
+                          MeshAverage(*mesh, local_loss, device));
     const double step_seconds = SecondsSince(t0);
 
     bool saved = false;
