@@ -16,8 +16,10 @@
 // Builds against CPU LibTorch too (CUDA-only calls are behind HSDP_WITH_CUDA);
 // on CPU it is a smoke test with a tiny model, e.g. `gpt_gpu_bench --device cpu
 // --model gpt-tiny --steps 2`.
+#include <ATen/CPUGeneratorImpl.h>
 #include <torch/cuda.h>
 #include <torch/torch.h>
+#include <torch/version.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
@@ -81,28 +83,23 @@ class MemoryMeter {
       c10::cuda::CUDACachingAllocator::resetPeakStats(device_.index());
 #endif
   }
-  int64_t PeakAllocated() const {
+  int64_t PeakAllocated() const { return Peak(/*reserved=*/false); }
+  int64_t PeakReserved() const { return Peak(/*reserved=*/true); }
+
+ private:
+  int64_t Peak(bool reserved) const {
 #ifdef HSDP_WITH_CUDA
     if (device_.is_cuda()) {
-      return c10::cuda::CUDACachingAllocator::getDeviceStats(device_.index())
-          .allocated_bytes[kAggregatePool]
-          .peak;
-    }
-#endif
-    return -1;
-  }
-  int64_t PeakReserved() const {
-#ifdef HSDP_WITH_CUDA
-    if (device_.is_cuda()) {
-      return c10::cuda::CUDACachingAllocator::getDeviceStats(device_.index())
-          .reserved_bytes[kAggregatePool]
+      const auto stats =
+          c10::cuda::CUDACachingAllocator::getDeviceStats(device_.index());
+      return (reserved ? stats.reserved_bytes
+                       : stats.allocated_bytes)[kAggregatePool]
           .peak;
     }
 #endif
     return -1;
   }
 
- private:
   c10::Device device_;
 };
 
@@ -242,12 +239,13 @@ absl::StatusOr<StepTimes> RunEngine(const Options& o,
   absl::StatusOr<StepTimes> times =
       TimeSteps(o, device, meter, [&]() -> absl::StatusOr<double> {
         if (absl::Status s = e.Apply(schedule, 0); !s.ok()) return s;
-        // Root unit around the whole forward; the loss outside (as the engine's tests do).
-    at::Tensor logits = e.Root().Forward(
-        tokens, [&](const at::Tensor& t) { return model->forward(t); });
-    at::Tensor loss = torch::nn::functional::cross_entropy(
-        logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}));
-    loss.backward();
+        // Root unit around the whole forward; the loss outside (as the engine's
+        // tests do).
+        at::Tensor logits = e.Root().Forward(
+            tokens, [&](const at::Tensor& t) { return model->forward(t); });
+        at::Tensor loss = torch::nn::functional::cross_entropy(
+            logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}));
+        loss.backward();
         if (absl::Status s = e.status(); !s.ok()) return s;
         opt.step();
         opt.zero_grad();

@@ -12,6 +12,7 @@
 // tests themselves on machines without a GPU.
 #include <torch/cuda.h>
 #include <torch/torch.h>
+#include <torch/version.h>
 
 #include <cmath>
 #include <cstdlib>

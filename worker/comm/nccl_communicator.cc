@@ -840,19 +840,34 @@ std::string Describe(NcclCommState& state, absl::string_view op,
                          state.label(), buffer.count,
                          DataTypeName(buffer.dtype));
 }
+
+// The NCCL type of a collective's buffers; INVALID_ARGUMENT naming `what` when
+// `sized` differs from `reference` in dtype or is not `expected_count` long.
+absl::StatusOr<ncclDataType_t> CheckedType(const std::string& what,
+                                           const Buffer& reference,
+                                           const Buffer& sized,
+                                           int64_t expected_count,
+                                           absl::string_view role) {
+  if (reference.dtype != sized.dtype || sized.count != expected_count) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: %s must be %d x %s, got %d x %s", what, role, expected_count,
+        DataTypeName(reference.dtype), sized.count, DataTypeName(sized.dtype)));
+  }
+  absl::StatusOr<ncclDataType_t> type = ToNcclDataType(reference.dtype);
+  if (!type.ok()) {
+    return absl::Status(type.status().code(),
+                        absl::StrCat(what, ": ", type.status().message()));
+  }
+  return type;
+}
 }  // namespace
 
 std::unique_ptr<Work> NcclCommunicator::AllGather(const Buffer& input,
                                                   const Buffer& output) {
   std::string what = Describe(*state_, "all_gather", input);
-  absl::StatusOr<ncclDataType_t> type = ToNcclDataType(input.dtype);
+  absl::StatusOr<ncclDataType_t> type =
+      CheckedType(what, input, output, input.count * size(), "output");
   if (!type.ok()) return std::make_unique<FailedWork>(type.status());
-  if (input.dtype != output.dtype || output.count != input.count * size()) {
-    return std::make_unique<FailedWork>(absl::InvalidArgumentError(
-        absl::StrFormat("%s: output must be %d x %s, got %d x %s", what,
-                        input.count * size(), DataTypeName(input.dtype),
-                        output.count, DataTypeName(output.dtype))));
-  }
   return state_->Issue(NcclCommState::StreamKind::kParam, std::move(what),
                        [&](ncclComm_t comm, cudaStream_t stream) {
                          return ncclAllGather(input.data, output.data,
@@ -864,14 +879,9 @@ std::unique_ptr<Work> NcclCommunicator::ReduceScatter(const Buffer& input,
                                                       const Buffer& output,
                                                       ReduceOp op) {
   std::string what = Describe(*state_, "reduce_scatter", input);
-  absl::StatusOr<ncclDataType_t> type = ToNcclDataType(input.dtype);
+  absl::StatusOr<ncclDataType_t> type =
+      CheckedType(what, output, input, output.count * size(), "input");
   if (!type.ok()) return std::make_unique<FailedWork>(type.status());
-  if (input.dtype != output.dtype || input.count != output.count * size()) {
-    return std::make_unique<FailedWork>(absl::InvalidArgumentError(
-        absl::StrFormat("%s: input must be %d x %s for output %d x %s", what,
-                        output.count * size(), DataTypeName(output.dtype),
-                        output.count, DataTypeName(output.dtype))));
-  }
   return state_->Issue(NcclCommState::StreamKind::kGrad, std::move(what),
                        [&](ncclComm_t comm, cudaStream_t stream) {
                          return ncclReduceScatter(
@@ -883,7 +893,8 @@ std::unique_ptr<Work> NcclCommunicator::ReduceScatter(const Buffer& input,
 std::unique_ptr<Work> NcclCommunicator::AllReduce(const Buffer& buffer,
                                                   ReduceOp op) {
   std::string what = Describe(*state_, "all_reduce", buffer);
-  absl::StatusOr<ncclDataType_t> type = ToNcclDataType(buffer.dtype);
+  absl::StatusOr<ncclDataType_t> type =
+      CheckedType(what, buffer, buffer, buffer.count, "buffer");
   if (!type.ok()) return std::make_unique<FailedWork>(type.status());
   return state_->Issue(NcclCommState::StreamKind::kGrad, std::move(what),
                        [&](ncclComm_t comm, cudaStream_t stream) {
@@ -897,7 +908,8 @@ std::unique_ptr<Work> NcclCommunicator::Broadcast(const Buffer& buffer,
                                                   int root) {
   std::string what =
       Describe(*state_, absl::StrCat("broadcast(root ", root, ")"), buffer);
-  absl::StatusOr<ncclDataType_t> type = ToNcclDataType(buffer.dtype);
+  absl::StatusOr<ncclDataType_t> type =
+      CheckedType(what, buffer, buffer, buffer.count, "buffer");
   if (!type.ok()) return std::make_unique<FailedWork>(type.status());
   if (root < 0 || root >= size()) {
     return std::make_unique<FailedWork>(absl::InvalidArgumentError(
