@@ -1,45 +1,45 @@
 // The public API of the sharding engine: FSDP2/HSDP-style fully sharded data
-// parallelism for LibTorch C++ modules, driven by a hsdp::v1::StepSchedule
-// value.
+// parallelism for LibTorch C++ modules, driven by a hsdp::v1::StepSchedule.
 //
-// Usage (one Engine per model per rank; ranks may be threads or processes):
+// Usage (one Engine per model per rank; ranks may be threads or processes),
+// e.g. with hsdp::models::Gpt and a comm::DeviceMesh:
 //
-//   hsdp::fsdp::MeshComms mesh{shard_comm, replicate_comm};  // replicate may
-//   be null (pure FSDP) hsdp::fsdp::EngineOptions opts; // device, mixed
-//   precision, offload auto engine = hsdp::fsdp::Engine::Create(model, mesh,
-//   opts).value(); for (int i = 0; i < n_layers; ++i)                       //
-//   forward order → units 1..n
-//     engine->FullyShard({model->layers[i].ptr()}, "layers." +
-//     std::to_string(i)).value();
-//   engine->FullyShardRoot().value();                        // leftover params
-//   → unit 0 "root" torch::optim::AdamW opt(engine->Parameters(),
-//   torch::optim::AdamWOptions(1e-3));
+//   fsdp::MeshComms comms{&mesh->shard(), &mesh->replicate()};
+//   fsdp::EngineOptions opts;  // device, mixed precision, offload, reshard
+//   auto engine = fsdp::Engine::Create(gpt.ptr(), comms, opts).value();
+//   for (int i = 0; i < gpt->num_blocks(); ++i)  // forward order: units 1..n
+//     engine->FullyShard({gpt->block(i).ptr()}, models::UnitName(i + 1));
+//   engine->FullyShardRoot();  // leftover parameters: unit 0 "root"
+//   torch::optim::AdamW opt(engine->Parameters(), AdamWOptions(lr));
 //
-//   // LibTorch has no forward hooks: the model's forward enters each unit
-//   explicitly. auto fwd = [&](const at::Tensor& tokens) {
-//     return engine->Root().Forward(tokens, [&](const at::Tensor& t) {
-//       at::Tensor h = model->embed(t);
-//       for (int i = 0; i < n_layers; ++i)
-//         h = engine->Unit(i + 1).Forward(h, [&](const at::Tensor& x) {
-//           return model->layers[i]->forward(x);
-//         });
-//       return model->head(h);                          // logits or the loss
-//       itself
+//   // LibTorch has no forward hooks: the model enters each unit explicitly.
+//   gpt->set_block_runner([&](int i, const at::Tensor& x) {
+//     models::Block block = gpt->block(i);  // by value: recompute may rerun it
+//     return engine->Unit(i + 1).Forward(x, [block](const at::Tensor& y) {
+//       return models::Block(block)->forward(y);
 //     });
-//   };
-//   for (int mb = 0; mb < schedule.microbatches_size(); ++mb) {
-//     engine->Apply(schedule, mb).IgnoreError();         // check the Status in
-//     real code at::Tensor loss = loss_fn(fwd(tokens[mb])) / n_microbatches;
-//     loss.backward();                                  // reductions finished
-//     when this returns
+//   });
+//   for (int mb = 0; mb < n_microbatches; ++mb) {
+//     RETURN_IF_ERROR(engine->Apply(schedule, mb));
+//     at::Tensor loss = engine->Root().Forward(tokens[mb], [&](auto& t) {
+//       return gpt->Loss(t, targets[mb]);
+//     }) / n_microbatches;
+//     loss.backward();  // every reduction has finished when this returns
 //   }
-//   if (auto s = engine->status(); !s.ok()) { /* a collective failed: abort the
-//   step */ } hsdp::fsdp::ClipGradNormGlobal(*engine, 1.0); opt.step();
+//   fsdp::ClipGradNormGlobal(*engine, 1.0);
+//   opt.step();
 //   opt.zero_grad();
 //
-// `FullyShard<M>` wraps a module holder so `wrapped(x)` == `unit.Forward(x,
-// module->forward)`. Activation recompute: `Checkpoint(fn, x)` (the unit's
-// Forward inside fn is rerun in backward).
+// Errors: set-up, Apply and the helpers return absl::Status. A collective that
+// fails inside forward or backward (dead or stalled peer) surfaces as a
+// c10::Error thrown by UnitHandle::Forward / backward() — the only way out of
+// an autograd hook — whose message is the Status; it is also kept (sticky) in
+// Engine::status(), and Apply refuses to go on. Catch c10::Error around the
+// step and end the generation.
+//
+// `FullyShard<M>` wraps a module holder so `wrapped(x)` is
+// `unit.Forward(x, module->forward)`. Activation recompute: `Checkpoint(engine,
+// fn, x)` reruns fn (and the unit Forward inside it) in backward.
 //
 // Numerics: gradients are averaged over all ranks (shard × replicate), so each
 // rank's loss should be the mean over its local batch; sharded training then
@@ -120,7 +120,9 @@ struct UnitOptions {
   // Unset: EngineOptions::reshard_after_forward.
   std::optional<bool> reshard_after_forward;
   // Parameters of the unit's modules that stay unsharded, untouched, and out of
-  // Parameters().
+  // Parameters(): their gradients are not reduced across ranks either (as in
+  // FSDP2); the caller owns them. Pass the same list to FullyShardRoot so the
+  // root does not claim them.
   std::vector<at::Tensor> ignored_params;
 };
 
@@ -175,9 +177,8 @@ using TensorListFn =
 class UnitHandle {
  public:
   // Runs `fn` inside the unit: pre-forward (all-gather, prefetch, input cast),
-  // fn, post-forward (reshard, backward hooks). Throws c10::Error only from
-  // inside an autograd graph; collective failures are reported through
-  // Engine::status() and as c10::Error from backward().
+  // fn, post-forward (reshard, backward hooks). A failed collective throws
+  // c10::Error (see "Errors" above).
   at::Tensor Forward(const at::Tensor& input, const TensorFn& fn);
   std::vector<at::Tensor> Forward(const std::vector<at::Tensor>& inputs,
                                   const TensorListFn& fn);

@@ -26,15 +26,18 @@ T* IntToPtr(const c10::IValue& value) {
   return reinterpret_cast<T*>(value.toInt());
 }
 
-struct PreBackwardFunction
-    : public torch::autograd::Function<PreBackwardFunction> {
+// An identity on `tensors` whose backward runs `Hook` on the unit first: the
+// pre-backward (on a unit's outputs) and post-backward (on its inputs) hooks.
+template <void (UnitGroup::*Hook)()>
+struct UnitHookFunction
+    : public torch::autograd::Function<UnitHookFunction<Hook>> {
   static variable_list forward(AutogradContext* ctx, UnitGroup* unit,
-                               at::TensorList outputs) {
+                               at::TensorList tensors) {
     ctx->saved_data["unit"] = PtrToInt(unit);
-    return outputs.vec();
+    return tensors.vec();
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    IntToPtr<UnitGroup>(ctx->saved_data["unit"])->PreBackward();
+    (IntToPtr<UnitGroup>(ctx->saved_data["unit"])->*Hook)();
     variable_list out;
     out.reserve(grads.size() + 1);
     out.emplace_back();  // the UnitGroup* argument
@@ -42,23 +45,8 @@ struct PreBackwardFunction
     return out;
   }
 };
-
-struct PostBackwardFunction
-    : public torch::autograd::Function<PostBackwardFunction> {
-  static variable_list forward(AutogradContext* ctx, UnitGroup* unit,
-                               at::TensorList inputs) {
-    ctx->saved_data["unit"] = PtrToInt(unit);
-    return inputs.vec();
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    IntToPtr<UnitGroup>(ctx->saved_data["unit"])->PostBackward();
-    variable_list out;
-    out.reserve(grads.size() + 1);
-    out.emplace_back();
-    for (auto& g : grads) out.push_back(std::move(g));
-    return out;
-  }
-};
+using PreBackwardFunction = UnitHookFunction<&UnitGroup::PreBackward>;
+using PostBackwardFunction = UnitHookFunction<&UnitGroup::PostBackward>;
 
 struct CheckpointFunction
     : public torch::autograd::Function<CheckpointFunction> {
