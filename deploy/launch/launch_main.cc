@@ -361,21 +361,21 @@ int Run(const Options& o) {
   }
 
   const bool tty = isatty(STDERR_FILENO);
-  std::string last_progress;
+  std::string last_printed;
   auto last_print = std::chrono::steady_clock::now();
   auto show = [&](bool final_line) {
     const std::string line = ProgressLine(o, reports);
     const auto now = std::chrono::steady_clock::now();
     if (tty) {
       std::cerr << "\r\033[K" << line << (final_line ? "\n" : "") << std::flush;
-    } else if (final_line || (line != last_progress &&
-                              now - last_print > std::chrono::seconds(5))) {
+    } else if (line != last_printed &&
+               (final_line || now - last_print > std::chrono::seconds(5))) {
       // Logs and pipes get a line every few seconds instead of a
       // carriage-return animation.
       std::cerr << line << std::endl;
       last_print = now;
+      last_printed = line;
     }
-    last_progress = line;
   };
 
   while (true) {

@@ -581,3 +581,31 @@ TEST(E2eLaunchTest, NamesTheFirstFailedWorker) {
       << out;
   EXPECT_NE(out.find("worker "), std::string::npos) << out;
 }
+
+TEST(E2eControlTest, GradientAccumulationFromThePolicyMatchesReference) {
+  Cluster c("microbatches");
+  const std::string policy = c.dir() + "/policy.json";
+  std::ofstream(policy) << "{\"microbatches\": 2}\n";
+  c.StartCoordinator(kWorkers, kMesh, 0, policy);
+  constexpr int kAccumSteps = 6;
+  c.StartWorkers(kWorkers, {}, kAccumSteps);
+  c.WaitWorkers();
+  const std::string ref_report = c.dir() + "/ref.jsonl";
+  Proc ref = Spawn(
+      {Bin("hsdp-worker"), "--reference", "--world-size",
+       std::to_string(kWorkers), "--microbatches", "2", "--model", "gpt-tiny",
+       "--dims", kDims, "--steps", std::to_string(kAccumSteps),
+       "--microbatch-size", "2", "--report-file", ref_report},
+      c.dir() + "/ref.log");
+  ASSERT_EQ(Wait(ref), 0) << ReadFile(ref.log);
+  std::vector<StepRecord> sharded = ReadReport(c.report(0));
+  std::vector<StepRecord> reference = ReadReport(ref_report);
+  ASSERT_EQ(sharded.size(), static_cast<size_t>(kAccumSteps));
+  ASSERT_EQ(reference.size(), static_cast<size_t>(kAccumSteps));
+  for (int s = 0; s < kAccumSteps; ++s) {
+    EXPECT_NEAR(sharded[s].loss, reference[s].loss, 1e-5) << "step " << s;
+  }
+  // Each step really ran two microbatches.
+  EXPECT_NE(ReadFile(c.report(0)).find("\"microbatches\":2"),
+            std::string::npos);
+}
