@@ -8,3 +8,23 @@ if(TARGET hsdp_nccl)
     LABELS comm gpu
     TIMEOUT 120)
 endif()
+
+# The same tests against a host-memory fake of the CUDA runtime + NCCL (nccl_fake_runtime.cc), so
+# the device tests (streams/events, non-blocking init, groups, watchdog abort, two ranks) also run
+# on CPU-only machines. Compiles the communicator again without libcudart/libnccl.
+if(HSDP_NCCL_ENABLED AND TARGET hsdp_comm)
+  add_library(hsdp_nccl_fake_runtime STATIC
+    ${PROJECT_SOURCE_DIR}/worker/comm/nccl_communicator.cc
+    ${CMAKE_CURRENT_LIST_DIR}/nccl_fake_runtime.cc)
+  target_include_directories(hsdp_nccl_fake_runtime PUBLIC ${PROJECT_SOURCE_DIR})
+  target_include_directories(hsdp_nccl_fake_runtime SYSTEM PUBLIC ${HSDP_NCCL_INCLUDE_DIR}
+                             ${CUDAToolkit_INCLUDE_DIRS})
+  target_link_libraries(hsdp_nccl_fake_runtime PUBLIC hsdp_comm absl::status absl::statusor
+                        absl::strings absl::synchronization absl::time Threads::Threads)
+  target_compile_definitions(hsdp_nccl_fake_runtime PUBLIC HSDP_WITH_NCCL=1)
+  add_executable(nccl_communicator_fake_test ${CMAKE_CURRENT_LIST_DIR}/nccl_communicator_test.cc)
+  target_link_libraries(nccl_communicator_fake_test PRIVATE hsdp_nccl_fake_runtime GTest::gmock
+                        GTest::gtest GTest::gtest_main)
+  gtest_discover_tests(nccl_communicator_fake_test DISCOVERY_MODE PRE_TEST TEST_PREFIX "fake_nccl."
+                       PROPERTIES LABELS comm TIMEOUT 120)
+endif()

@@ -383,6 +383,55 @@ TEST(NcclDeviceOnlyTest, MeshOfOneBuildsNamedCommunicators) {
   EXPECT_EQ((*mesh)->replicate().name(), "nccl:replicate");
 }
 
+// Rank 1 joins but never issues the all-gather rank 0 issued: rank 0's watchdog
+// must abort after collective_timeout with an error naming the collective; rank
+// 1 shuts down cleanly.
+TEST(NcclDeviceOnlyTest, CollectiveWithoutItsPeerIsAbortedByTheWatchdog) {
+  absl::StatusOr<int> count = CudaDeviceCount();
+  if (!count.ok()) GTEST_SKIP() << count.status().message();
+  if (*count < 2) GTEST_SKIP() << "needs 2 CUDA devices, found " << *count;
+  InMemoryStore store;
+  std::vector<std::unique_ptr<NcclCommunicator>> comms(2);
+  std::vector<std::thread> ranks;
+  for (int rank = 0; rank < 2; ++rank) {
+    ranks.emplace_back([&, rank] {
+      NcclOptions options;
+      options.device = rank;
+      options.name = "nccl:shard";
+      options.init_timeout = kTestTimeout;
+      options.collective_timeout = absl::Seconds(1);
+      options.watchdog_interval = absl::Milliseconds(20);
+      auto comm = NcclCommunicator::Create(store, "hang", rank, 2, options);
+      ASSERT_TRUE(comm.ok()) << comm.status();
+      comms[rank] = *std::move(comm);
+    });
+  }
+  for (std::thread& t : ranks) t.join();
+  ASSERT_NE(comms[0], nullptr);
+  ASSERT_NE(comms[1], nullptr);
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  DeviceBuffer in(DataType::kFloat32, 64), out(DataType::kFloat32, 128);
+  std::unique_ptr<Work> gather = comms[0]->AllGather(in.buffer(), out.buffer());
+  EXPECT_FALSE(gather->IsCompleted());
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  while (comms[0]->status().ok() && absl::Now() < deadline)
+    absl::SleepFor(absl::Milliseconds(20));
+  const absl::Status status = comms[0]->status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kDeadlineExceeded) << status;
+  EXPECT_THAT(std::string(status.message()),
+              HasSubstr("all_gather #1 on nccl:shard (rank 0 of 2"));
+  EXPECT_EQ(gather->Wait().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_TRUE(
+      gather->IsCompleted());  // Wait() would not block: it reports the abort
+  // Later calls fail at once, naming themselves and the cause.
+  absl::Status later = comms[0]->AllReduce(in.buffer(), ReduceOp::kSum)->Wait();
+  EXPECT_THAT(std::string(later.message()), HasSubstr("all_reduce #2"));
+  EXPECT_THAT(std::string(later.message()),
+              HasSubstr("did not complete within"));
+  comms[1].reset();
+  EXPECT_TRUE(comms[1] == nullptr);
+}
+
 // Two ranks as threads on two GPUs: sums and averages cross devices for real.
 TEST(NcclDeviceOnlyTest, TwoRanksOnTwoDevicesReduceScatterAndAllGather) {
   absl::StatusOr<int> count = CudaDeviceCount();
