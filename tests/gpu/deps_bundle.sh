@@ -19,11 +19,13 @@ packages=(
   libabsl-dev libgloo-dev libgrpc++-dev libgrpc-dev protobuf-compiler-grpc libprotobuf-dev
   protobuf-compiler libgtest-dev libgmock-dev googletest libbenchmark-dev prometheus-cpp-dev
   libcivetweb-dev nlohmann-json3-dev libcli11-dev libc-ares-dev libre2-dev libssl-dev zlib1g-dev
+  libgoogle-glog-dev libgflags-dev libunwind-dev  # worker/train includes <glog/logging.h>
   # the shared libraries those link
   libabsl20220623 libgloo0 libgrpc++1.51 libgrpc29 libprotobuf32 libprotoc32 libprotobuf-lite32
   libre2-9 libc-ares2 libbenchmark1debian libprometheus-cpp-core1.0 libprometheus-cpp-pull1.0
   libprometheus-cpp-push1.0 libcivetweb1 libibverbs1 libnl-3-200 libnl-route-3-200
   libhiredis0.14
+  libgoogle-glog0v6 libgflags2.2 libunwind8
 )
 cache="${HSDP_APT_CACHE:-/var/cache/apt/archives}"
 mkdir -p "$out"

@@ -5,7 +5,7 @@ if(TARGET hsdp_nccl)
   hsdp_add_test(nccl_communicator_test
     SOURCES ${CMAKE_CURRENT_LIST_DIR}/nccl_communicator_test.cc
     LIBS hsdp_nccl absl::strings GTest::gmock
-    LABELS comm gpu
+    LABELS comm
     TIMEOUT 120)
 endif()
 
