@@ -46,7 +46,7 @@ constexpr char kMesh[] = "2x2";
 // Small enough for 4 processes on 2 cores, large enough to shard unevenly (seq
 // 24 rows).
 constexpr char kDims[] = "32,2,2,24";
-constexpr int kSteps = 24;
+constexpr int kSteps = 40;
 constexpr auto kRunTimeout = std::chrono::seconds(150);
 
 // ---- processes
@@ -340,28 +340,35 @@ std::map<std::string, at::Tensor> LoadParams(const std::string& path) {
 }
 
 TEST(E2eTest, ShardedTwoByTwoMatchesSingleProcessReference) {
-  const auto& base = Baseline();
-  ASSERT_EQ(base.size(), static_cast<size_t>(kWorkers));
-  const std::string dir = ::testing::TempDir();
-  const std::string ref_params = dir + "/hsdp-e2e-ref.pt";
-  const std::string ref_report = dir + "/hsdp-e2e-ref.jsonl";
-  fs::remove(ref_report);
-  Proc ref = Spawn(
-      {Bin("hsdp-worker"), "--reference", "--world-size",
-       std::to_string(kWorkers), "--microbatches", "1", "--model", "gpt-tiny",
-       "--dims", kDims, "--steps", std::to_string(kSteps), "--microbatch-size",
-       "2", "--report-file", ref_report, "--final-params", ref_params},
-      dir + "/hsdp-e2e-ref.log");
+  // Short: AdamW normalises updates, so fp32 rounding differences between a
+  // sharded and an unsharded gradient sum grow with the step count; the parity
+  // bound is for a few steps.
+  constexpr int kParitySteps = 12;
+  Cluster c("parity");
+  c.StartCoordinator(kWorkers, kMesh);
+  c.StartWorkers(kWorkers, {"--final-params", c.dir() + "/final.pt"},
+                 kParitySteps);
+  c.WaitWorkers();
+  const std::vector<StepRecord> sharded_steps = ReadReport(c.report(0));
+  ASSERT_EQ(sharded_steps.size(), static_cast<size_t>(kParitySteps));
+  const std::string ref_params = c.dir() + "/ref.pt";
+  const std::string ref_report = c.dir() + "/ref.jsonl";
+  Proc ref = Spawn({Bin("hsdp-worker"), "--reference", "--world-size",
+                    std::to_string(kWorkers), "--microbatches", "1", "--model",
+                    "gpt-tiny", "--dims", kDims, "--steps",
+                    std::to_string(kParitySteps), "--microbatch-size", "2",
+                    "--report-file", ref_report, "--final-params", ref_params},
+                   c.dir() + "/ref.log");
   ASSERT_EQ(Wait(ref), 0) << ReadFile(ref.log);
 
   std::vector<StepRecord> ref_steps = ReadReport(ref_report);
-  ASSERT_EQ(ref_steps.size(), static_cast<size_t>(kSteps));
-  for (int s = 0; s < kSteps; ++s) {
-    EXPECT_NEAR(base[0][s].loss, ref_steps[s].loss, 1e-5) << "step " << s;
+  ASSERT_EQ(ref_steps.size(), static_cast<size_t>(kParitySteps));
+  for (int s = 0; s < kParitySteps; ++s) {
+    EXPECT_NEAR(sharded_steps[s].loss, ref_steps[s].loss, 1e-5) << "step " << s;
   }
   EXPECT_LT(ref_steps.back().loss, ref_steps.front().loss - 0.5);  // it learns
 
-  auto sharded = LoadParams(dir + "/hsdp-e2e-final.pt");
+  auto sharded = LoadParams(c.dir() + "/final.pt");
   auto reference = LoadParams(ref_params);
   ASSERT_EQ(sharded.size(), reference.size());
   for (const auto& [name, t] : reference) {
