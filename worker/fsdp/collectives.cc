@@ -51,18 +51,15 @@ int64_t FlatChunkNumel(const std::vector<ShardedParam*>& params) {
   return numel;
 }
 
-at::Tensor AllGatherCopyIn(const std::vector<ShardedParam*>& params,
-                           c10::ScalarType dtype, c10::Device device) {
+void AllGatherCopyIn(const std::vector<ShardedParam*>& params,
+                     const at::Tensor& flat) {
   at::NoGradGuard no_grad;
-  at::Tensor flat = at::empty({FlatChunkNumel(params)},
-                              at::TensorOptions().dtype(dtype).device(device));
   int64_t offset = 0;
   for (const ShardedParam* p : params) {
     flat.narrow(0, offset, p->shard_numel())
         .copy_(p->sharded_padded().reshape({-1}));
     offset += p->shard_numel();
   }
-  return flat;
 }
 
 void AllGatherCopyOut(const at::Tensor& output,
@@ -79,16 +76,11 @@ void AllGatherCopyOut(const at::Tensor& output,
   }
 }
 
-at::Tensor ReduceScatterCopyIn(const std::vector<ShardedParam*>& params,
-                               c10::ScalarType dtype) {
+void ReduceScatterCopyIn(const std::vector<ShardedParam*>& params,
+                         const at::Tensor& flat) {
   at::NoGradGuard no_grad;
   const int64_t size = params.empty() ? 1 : params.front()->spec().shard_size;
   const int64_t chunk = FlatChunkNumel(params);
-  const c10::Device device = params.empty()
-                                 ? c10::Device(c10::kCPU)
-                                 : params.front()->spec().compute_device;
-  at::Tensor flat = at::empty({size * chunk},
-                              at::TensorOptions().dtype(dtype).device(device));
   const at::Tensor chunks = flat.view({size, chunk});
   int64_t offset = 0;
   for (const ShardedParam* p : params) {
@@ -117,7 +109,6 @@ at::Tensor ReduceScatterCopyIn(const std::vector<ShardedParam*>& params,
     }
     offset += p->shard_numel();
   }
-  return flat;
 }
 
 std::vector<at::Tensor> SplitReducedChunk(

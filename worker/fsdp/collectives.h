@@ -28,19 +28,19 @@ absl::StatusOr<comm::Buffer> ToBuffer(const at::Tensor& tensor);
 // Elements of one rank's flat chunk for `params`.
 int64_t FlatChunkNumel(const std::vector<ShardedParam*>& params);
 
-// The flat all-gather input: every local padded shard cast to `dtype`, on
-// `device`.
-at::Tensor AllGatherCopyIn(const std::vector<ShardedParam*>& params,
-                           c10::ScalarType dtype, c10::Device device);
+// Fills `flat` (FlatChunkNumel elements, the all-gather input) with every local
+// padded shard, cast to its dtype.
+void AllGatherCopyIn(const std::vector<ShardedParam*>& params,
+                     const at::Tensor& flat);
 // Scatters the all-gather output (S chunks) into each parameter's unsharded
 // storage.
 void AllGatherCopyOut(const at::Tensor& output,
                       const std::vector<ShardedParam*>& params);
 
-// The flat reduce-scatter input (S chunks) in `dtype` from the unsharded
-// gradients (zeros for padding and for parameters without a gradient).
-at::Tensor ReduceScatterCopyIn(const std::vector<ShardedParam*>& params,
-                               c10::ScalarType dtype);
+// Fills `flat` (S chunks, the reduce-scatter input, in its dtype) from the
+// unsharded gradients (zeros for padding and for parameters without one).
+void ReduceScatterCopyIn(const std::vector<ShardedParam*>& params,
+                         const at::Tensor& flat);
 // The rows of `output` (one reduced chunk) that belong to each parameter's
 // local shard.
 std::vector<at::Tensor> SplitReducedChunk(

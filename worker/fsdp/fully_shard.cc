@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
 
+#include <algorithm>
 #include <set>
 #include <unordered_map>
 #include <utility>
@@ -195,6 +196,11 @@ absl::Status Engine::FullyShardRoot(const UnitOptions& options) {
   for (const auto& unit : core_->units) {
     handles_.push_back(std::unique_ptr<UnitHandle>(new UnitHandle(unit.get())));
   }
+  int64_t largest_flat = 0;
+  for (const auto& unit : core_->units) {
+    largest_flat = std::max(largest_flat, unit->FlatBufferBytes());
+  }
+  core_->buffers.set_limit(largest_flat);
   core_->finalized = true;
   return absl::OkStatus();
 }
@@ -297,6 +303,8 @@ EngineStats Engine::Stats() const {
   }
   s.peak_unsharded_bytes = core_->peak_unsharded_bytes;
   s.peak_unsharded_grad_bytes = core_->peak_unsharded_grad_bytes;
+  s.comm_buffer_bytes = core_->buffers.bytes();
+  s.peak_comm_buffer_bytes = core_->buffers.peak_bytes();
   return s;
 }
 
@@ -306,6 +314,7 @@ void Engine::ResetStats() {
   }
   core_->peak_unsharded_bytes = core_->unsharded_bytes_alive;
   core_->peak_unsharded_grad_bytes = 0;
+  core_->buffers.ResetPeak();
 }
 
 std::vector<at::Tensor> Engine::Parameters() const {

@@ -162,6 +162,10 @@ struct EngineStats {
   // Peak of the unsharded gradient bytes held at once (sampled at each
   // post-backward).
   int64_t peak_unsharded_grad_bytes = 0;
+  // Flat communication buffers, in use or kept idle for reuse (at most one
+  // largest unit's worth idle), now and at peak.
+  int64_t comm_buffer_bytes = 0;
+  int64_t peak_comm_buffer_bytes = 0;
   int64_t grad_bytes = 0;
   double all_gather_seconds = 0;
   double reduce_scatter_seconds = 0;

@@ -12,6 +12,42 @@
 
 namespace hsdp::fsdp {
 
+at::Tensor FlatBufferPool::Acquire(int64_t numel,
+                                   const at::TensorOptions& options) {
+  at::Tensor buffer;
+  for (auto it = idle_buffers_.begin(); it != idle_buffers_.end(); ++it) {
+    if (it->numel() == numel && it->dtype() == options.dtype() &&
+        it->device() == options.device()) {
+      buffer = std::move(*it);
+      idle_buffers_.erase(it);
+      idle_ -= static_cast<int64_t>(buffer.nbytes());
+      break;
+    }
+  }
+  if (!buffer.defined()) buffer = at::empty({numel}, options);
+  live_ += static_cast<int64_t>(buffer.nbytes());
+  peak_ = std::max(peak_, bytes());
+  return buffer;
+}
+
+void FlatBufferPool::Release(at::Tensor& buffer) {
+  if (!buffer.defined()) return;
+  const int64_t nbytes = static_cast<int64_t>(buffer.nbytes());
+  live_ -= nbytes;
+  // Reuse is only safe when no view of the bytes survives elsewhere.
+  const bool sole_owner =
+      buffer.use_count() == 1 && buffer.storage().use_count() == 1;
+  if (sole_owner && nbytes <= limit_) {
+    while (idle_ + nbytes > limit_ && !idle_buffers_.empty()) {
+      idle_ -= static_cast<int64_t>(idle_buffers_.front().nbytes());
+      idle_buffers_.erase(idle_buffers_.begin());
+    }
+    idle_ += nbytes;
+    idle_buffers_.push_back(std::move(buffer));
+  }
+  buffer.reset();
+}
+
 EngineCore::EngineCore(std::shared_ptr<torch::nn::Module> root_module,
                        MeshComms mesh_comms, EngineOptions engine_options)
     : root(std::move(root_module)), mesh(mesh_comms), options(engine_options) {}
@@ -116,20 +152,19 @@ void UnitGroup::Unshard() {
     return;
   }
   core_->CheckOk();
-  const c10::Device device = core_->options.device;
-  ag_input_ = AllGatherCopyIn(params(), compute_dtype_, device);
+  const at::TensorOptions options =
+      at::TensorOptions().dtype(compute_dtype_).device(core_->options.device);
+  ag_input_ = core_->buffers.Acquire(FlatChunkNumel(params()), options);
+  AllGatherCopyIn(params(), ag_input_);
   ++stats_.all_gathers;
   if (core_->shard_size() > 1) {
-    ag_output_ = at::empty({ag_input_.numel() * core_->shard_size()},
-                           ag_input_.options());
+    ag_output_ = core_->buffers.Acquire(ag_input_.numel() * core_->shard_size(),
+                                        options);
     absl::StatusOr<comm::Buffer> in = ToBuffer(ag_input_);
     absl::StatusOr<comm::Buffer> out = ToBuffer(ag_output_);
     if (!in.ok()) core_->Fail(in.status());
     if (!out.ok()) core_->Fail(out.status());
     ag_work_ = core_->mesh.shard->AllGather(*in, *out);
-  } else {
-    ag_output_ =
-        ag_input_;  // one shard: the gathered tensor is the shard itself
   }
   state_ = State::kGathering;
 }
@@ -151,9 +186,9 @@ void UnitGroup::WaitForUnshard() {
   }
   stats_.peak_unsharded_bytes =
       std::max(stats_.peak_unsharded_bytes, stats_.unsharded_bytes_alive);
-  AllGatherCopyOut(ag_output_, params());
-  ag_input_.reset();
-  ag_output_.reset();
+  AllGatherCopyOut(ag_output_.defined() ? ag_output_ : ag_input_, params());
+  core_->buffers.Release(ag_input_);
+  core_->buffers.Release(ag_output_);
   state_ = State::kUnsharded;
 }
 
@@ -208,7 +243,11 @@ void UnitGroup::PostBackward() {
 
 void UnitGroup::IssueReduction() {
   core_->CheckOk();
-  rs_input_ = ReduceScatterCopyIn(params(), reduce_dtype_);
+  const at::TensorOptions options =
+      at::TensorOptions().dtype(reduce_dtype_).device(core_->options.device);
+  const int64_t chunk = FlatChunkNumel(params());
+  rs_input_ = core_->buffers.Acquire(chunk * core_->shard_size(), options);
+  ReduceScatterCopyIn(params(), rs_input_);
   // Parameters that got no gradient (frozen, or unused in this graph — the same
   // on every rank) keep an undefined sharded grad, as in single-process
   // training, so the optimizer skips them.
@@ -219,16 +258,13 @@ void UnitGroup::IssueReduction() {
   for (ShardedParam* p : params()) p->ClearUnshardedGrad();
   ++stats_.reduce_scatters;
   if (core_->shard_size() > 1) {
-    rs_output_ = at::empty({rs_input_.numel() / core_->shard_size()},
-                           rs_input_.options());
+    rs_output_ = core_->buffers.Acquire(chunk, options);
     absl::StatusOr<comm::Buffer> in = ToBuffer(rs_input_);
     absl::StatusOr<comm::Buffer> out = ToBuffer(rs_output_);
     if (!in.ok()) core_->Fail(in.status());
     if (!out.ok()) core_->Fail(out.status());
     rs_work_ =
         core_->mesh.shard->ReduceScatter(*in, *out, comm::ReduceOp::kAvg);
-  } else {
-    rs_output_ = rs_input_;
   }
   rs_all_reduce_ = core_->requires_all_reduce;
   reduction_pending_ = true;
@@ -243,10 +279,10 @@ void UnitGroup::FinishReduction() {
         WaitWork(rs_work_, &stats_.reduce_scatter_seconds, "reduce-scatter");
     if (!s.ok()) core_->Fail(s);
   }
-  at::Tensor reduced = std::move(rs_output_);
-  rs_input_.reset();
+  // With one shard the input is already the (trivially) reduced chunk.
+  at::Tensor& reduced = rs_output_.defined() ? rs_output_ : rs_input_;
+  at::NoGradGuard no_grad;
   if (core_->replicate_size() > 1) {
-    at::NoGradGuard no_grad;
     if (!rs_all_reduce_) {
       // HSDP without all-reduce this microbatch: hold the shard-reduced grads
       // until one with.
@@ -255,13 +291,13 @@ void UnitGroup::FinishReduction() {
       } else {
         partial_reduce_ = reduced.clone();
       }
+      ReleaseReductionBuffers();
       return;
     }
     if (partial_reduce_.defined()) {
-      reduced = reduced.add(partial_reduce_);
+      reduced.add_(partial_reduce_);
       partial_reduce_.reset();
     }
-    if (!reduced.is_contiguous()) reduced = reduced.contiguous();
     absl::StatusOr<comm::Buffer> buffer = ToBuffer(reduced);
     if (!buffer.ok()) core_->Fail(buffer.status());
     std::unique_ptr<comm::Work> work =
@@ -269,12 +305,28 @@ void UnitGroup::FinishReduction() {
     absl::Status s = WaitWork(work, &stats_.all_reduce_seconds, "all-reduce");
     if (!s.ok()) core_->Fail(s);
   }
-  const std::vector<ShardedParam*> ps = params();
-  const std::vector<at::Tensor> pieces = SplitReducedChunk(reduced, ps);
-  for (size_t i = 0; i < ps.size(); ++i) {
-    if (had_grad_[i]) ps[i]->AccumulateShardedGrad(pieces[i]);
-  }
+  {
+    const std::vector<ShardedParam*> ps = params();
+    const std::vector<at::Tensor> pieces = SplitReducedChunk(reduced, ps);
+    for (size_t i = 0; i < ps.size(); ++i) {
+      if (had_grad_[i]) ps[i]->AccumulateShardedGrad(pieces[i]);
+    }
+  }  // the pieces (views of `reduced`) go before the buffers return
   had_grad_.clear();
+  ReleaseReductionBuffers();
+}
+
+void UnitGroup::ReleaseReductionBuffers() {
+  core_->buffers.Release(rs_input_);
+  core_->buffers.Release(rs_output_);
+}
+
+int64_t UnitGroup::FlatBufferBytes() const {
+  const int64_t chunk = FlatChunkNumel(params());
+  const int64_t elem = static_cast<int64_t>(std::max(
+      c10::elementSize(compute_dtype_), c10::elementSize(reduce_dtype_)));
+  // One gathered / to-be-reduced buffer of S chunks plus one chunk.
+  return (core_->shard_size() + 1) * chunk * elem;
 }
 
 UnitInfo UnitGroup::Info() const {

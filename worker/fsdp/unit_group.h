@@ -31,6 +31,30 @@ namespace hsdp::fsdp {
 
 class UnitGroup;
 
+// Flat communication buffers kept for reuse. On CPU a fresh buffer per
+// collective costs a page fault per 4 KiB — as much time as the collective
+// itself — so units hand their buffers back here. At most `limit` idle bytes
+// are kept (FullyShardRoot sets it to one largest unit's flat buffers); live
+// (acquired) and idle bytes are both accounted. Thread-compatible.
+class FlatBufferPool {
+ public:
+  at::Tensor Acquire(int64_t numel, const at::TensorOptions& options);
+  // Takes the buffer back (resetting `buffer`); it is kept for reuse only when
+  // nothing else references its storage, else simply dropped.
+  void Release(at::Tensor& buffer);
+  void set_limit(int64_t bytes) { limit_ = bytes; }
+  int64_t bytes() const { return live_ + idle_; }
+  int64_t peak_bytes() const { return peak_; }
+  void ResetPeak() { peak_ = bytes(); }
+
+ private:
+  std::vector<at::Tensor> idle_buffers_;  // oldest first
+  int64_t live_ = 0;
+  int64_t idle_ = 0;
+  int64_t peak_ = 0;
+  int64_t limit_ = 0;
+};
+
 // Engine-wide state. Public fields: this is the engine's internal blackboard,
 // read and written by UnitGroup, the hooks and the helpers, all on the one
 // thread driving the engine.
@@ -93,6 +117,7 @@ class EngineCore {
   std::map<int64_t, TensorFn> checkpoint_fns;
   int64_t next_checkpoint_id = 0;
 
+  FlatBufferPool buffers;
   absl::Status status;
   int64_t unsharded_bytes_alive = 0;
   int64_t peak_unsharded_bytes = 0;
@@ -130,6 +155,8 @@ class UnitGroup {
   // sharded grads.
   void FinishReduction();
 
+  // Bytes of the flat buffers one collective of this unit uses (pool limit).
+  int64_t FlatBufferBytes() const;
   UnitInfo Info() const;
   UnitStats Stats() const;
   void ResetStats();
@@ -149,6 +176,7 @@ class UnitGroup {
   enum class State { kSharded, kGathering, kUnsharded };
 
   void IssueReduction();
+  void ReleaseReductionBuffers();
   absl::Status WaitWork(std::unique_ptr<comm::Work>& work, double* seconds,
                         const char* what);
 
@@ -160,6 +188,8 @@ class UnitGroup {
   c10::ScalarType compute_dtype_;
   c10::ScalarType reduce_dtype_;
 
+  // Flat buffers from core_->buffers; the outputs stay undefined with one
+  // shard (the input is then the result).
   at::Tensor ag_input_;
   at::Tensor ag_output_;
   std::unique_ptr<comm::Work> ag_work_;

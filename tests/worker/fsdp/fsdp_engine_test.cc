@@ -89,7 +89,8 @@ TEST(CollectivesTest, CopyInOutAndReduceScatterLayoutRoundTrip) {
     ranks[r].push_back(Shard(b, r, kSize));
     std::vector<ShardedParam*> ps = {ranks[r][0].get(), ranks[r][1].get()};
     EXPECT_EQ(FlatChunkNumel(ps), 3 * 3 + 2);
-    chunks.push_back(AllGatherCopyIn(ps, torch::kFloat, torch::kCPU));
+    chunks.push_back(torch::empty({FlatChunkNumel(ps)}));
+    AllGatherCopyIn(ps, chunks.back());
   }
   // What an all-gather would produce, copied out on rank 2.
   std::vector<ShardedParam*> ps = {ranks[2][0].get(), ranks[2][1].get()};
@@ -101,9 +102,9 @@ TEST(CollectivesTest, CopyInOutAndReduceScatterLayoutRoundTrip) {
   // padded.
   ps[0]->module_param().mutable_grad() = a * 2;
   ps[1]->module_param().mutable_grad() = b * 3;
-  const at::Tensor flat = ReduceScatterCopyIn(ps, torch::kDouble);
-  ASSERT_EQ(flat.numel(), kSize * FlatChunkNumel(ps));
-  EXPECT_EQ(flat.scalar_type(), torch::kDouble);
+  const at::Tensor flat =
+      torch::full({kSize * FlatChunkNumel(ps)}, 7.0, torch::kDouble);
+  ReduceScatterCopyIn(ps, flat);
   for (int r = 0; r < kSize; ++r) {
     std::vector<ShardedParam*> rps = {ranks[r][0].get(), ranks[r][1].get()};
     std::vector<at::Tensor> pieces =
