@@ -191,6 +191,7 @@ def main():
         "step_s_min": min(times),
         "peak_allocated_bytes": torch.cuda.max_memory_allocated(device),
         "peak_reserved_bytes": torch.cuda.max_memory_reserved(device),
+        "flops_per_step": flops,
         "tflops": flops / step_s / 1e12,
         "loss_first": losses[0],
         "loss_last": losses[-1],

@@ -340,18 +340,20 @@ int Run(const Options& o) {
   std::vector<double> sorted = times->seconds;
   std::sort(sorted.begin(), sorted.end());
   const double median = sorted[sorted.size() / 2];
+  const double flops = ModelFlopsPerStep(*config, o.batch);
   const std::string line = absl::StrFormat(
       "{\"impl\": \"%s\", \"model\": \"%s\", \"params\": %d, \"world_size\": "
       "1, "
       "\"batch\": %d, \"seq_len\": %d, \"param_dtype\": \"%s\", \"steps\": %d, "
       "\"step_s_median\": %.6f, \"step_s_min\": %.6f, "
       "\"peak_allocated_bytes\": %d, "
-      "\"peak_reserved_bytes\": %d, \"tflops\": %.3f, \"loss_first\": %.6f, "
+      "\"peak_reserved_bytes\": %d, \"flops_per_step\": %.9e, \"tflops\": "
+      "%.3f, "
+      "\"loss_first\": %.6f, "
       "\"loss_last\": %.6f, \"torch\": \"%s\", \"device\": \"%s\"}",
       o.impl, o.dims.empty() ? o.model : o.dims, models::GptParamCount(*config),
       o.batch, config->seq_len, o.param_dtype, o.steps, median, sorted.front(),
-      meter.PeakAllocated(), meter.PeakReserved(),
-      ModelFlopsPerStep(*config, o.batch) / median / 1e12,
+      meter.PeakAllocated(), meter.PeakReserved(), flops, flops / median / 1e12,
       times->losses.front(), times->losses.back(), TORCH_VERSION, device.str());
   std::cout << line << std::endl;
   if (!o.json_out.empty()) std::ofstream(o.json_out) << line << "\n";
