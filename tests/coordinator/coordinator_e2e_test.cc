@@ -225,6 +225,19 @@ TEST(CoordinatorE2eTest, MeshNotDividingTheWorldExitsWithTheReason) {
   EXPECT_EQ(r.out, "");
 }
 
+TEST(CoordinatorE2eTest, PortInUseFailsAtStartup) {
+  CoordinatorProcess first(HSDP_COORDINATOR_BIN,
+                           {"--job-id", "one", "--world-size", "1"});
+  ASSERT_FALSE(first.address().empty()) << first.process().err();
+  RunResult r =
+      RunCommand({HSDP_COORDINATOR_BIN, "--job-id", "two", "--world-size", "1",
+                  "--listen", first.address(), "--metrics-listen", ""});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("cannot listen on " + first.address()),
+            std::string::npos)
+      << r.err;
+}
+
 TEST(CoordinatorE2eTest, BadFlagsAndBadPolicyFilesFailAtStartup) {
   TempDir dir;
   RunResult r = RunCommand({HSDP_COORDINATOR_BIN, "--no-such-flag"});
