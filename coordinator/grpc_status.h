@@ -14,9 +14,6 @@ namespace hsdp::coordinator {
 grpc::Status ToGrpcStatus(const absl::Status& status);
 absl::Status FromGrpcStatus(const grpc::Status& status);
 
-// "INVALID_ARGUMENT" etc., the spelling operators see in hsdpctl errors.
-const char* GrpcCodeName(grpc::StatusCode code);
-
 }  // namespace hsdp::coordinator
 
 #endif  // HSDP_COORDINATOR_GRPC_STATUS_H_

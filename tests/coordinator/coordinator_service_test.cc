@@ -22,6 +22,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "common/units.h"
+#include "coordinator/grpc_status.h"
 #include "coordinator/kv_store.h"
 #include "coordinator/membership.h"
 #include "coordinator/metrics.h"
@@ -871,6 +872,28 @@ TEST(ServerStartTest, BadJobSpecsAreRefused) {
   options.tls_cert_pem = "cert only";
   server = CoordinatorServer::Start(job, options);
   EXPECT_EQ(server.status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace hsdp::coordinator
+
+namespace hsdp::coordinator {
+namespace {
+
+TEST(GrpcStatusTest, CodesAndMessagesRoundTrip) {
+  for (int code = 1; code <= 16; ++code) {
+    const absl::Status in(static_cast<absl::StatusCode>(code), "why");
+    const grpc::Status wire = ToGrpcStatus(in);
+    EXPECT_EQ(static_cast<int>(wire.error_code()), code);
+    EXPECT_EQ(wire.error_message(), "why");
+    EXPECT_EQ(FromGrpcStatus(wire), in);
+  }
+  EXPECT_TRUE(ToGrpcStatus(absl::OkStatus()).ok());
+  EXPECT_TRUE(FromGrpcStatus(grpc::Status::OK).ok());
+  // A code outside the shared range never reaches the wire as itself.
+  EXPECT_EQ(ToGrpcStatus(absl::Status(static_cast<absl::StatusCode>(42), "x"))
+                .error_code(),
+            grpc::StatusCode::UNKNOWN);
 }
 
 }  // namespace
