@@ -342,7 +342,8 @@ absl::Status TrainSharded(const WorkerOptions& o) {
   const c10::Device device(o.device);
   if (device.is_cuda() && !torch::cuda::is_available()) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "--device ", o.device, ": no CUDA device here, or LibTorch was built without CUDA"));
+        "--device ", o.device,
+        ": no CUDA device here, or LibTorch was built without CUDA"));
   }
 
   agent::AgentOptions ao;
@@ -414,15 +415,20 @@ absl::Status TrainSharded(const WorkerOptions& o) {
   HSDP_RETURN_IF_ERROR(report_file.Open(run.report_file));
   const int64_t last_step = run.steps - 1;
   const int64_t seq = setup.config.seq_len;
-  bool drained = false;
-  int64_t last_done = start - 1;
+  // The last report sent; re-sent with `finished` when the run ends without
+  // reaching last_step through a normal report (a drain, or nothing left to do
+  // after a resume).
+  hsdp::v1::StepReport last_report;
+  last_report.set_rank(rank);
+  last_report.set_step(start - 1);
+  bool finished_sent = false;
   for (int64_t step = start; step <= last_step; ++step) {
     agent.SetCurrentStep(step);
     HSDP_RETURN_IF_ERROR(agent.membership_status());
     HSDP_ASSIGN_OR_RETURN(hsdp::v1::GetScheduleResponse resp,
                           agent.GetSchedule(step, last_step));
     if (resp.drained()) {
-      drained = true;
+      LOG(INFO) << "rank " << rank << " drained before step " << step;
       break;
     }
     const hsdp::v1::StepSchedule& schedule = resp.schedule();
@@ -430,7 +436,9 @@ absl::Status TrainSharded(const WorkerOptions& o) {
 
     const auto t0 = std::chrono::steady_clock::now();
     engine->ResetStats();
-    double local_loss = 0;
+    // Summed on the device: one host sync per step, not per microbatch.
+    at::Tensor loss_sum =
+        at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(device));
     for (int mb = 0; mb < micro; ++mb) {
       HSDP_RETURN_IF_ERROR(engine->Apply(schedule, mb));
       TokenBatch batch = setup.data->RankMicrobatch(
@@ -443,13 +451,13 @@ absl::Status TrainSharded(const WorkerOptions& o) {
           });
       loss.backward();
       HSDP_RETURN_IF_ERROR(engine->status());
-      local_loss += loss.item<double>();
+      loss_sum += loss.detach();
     }
     const fsdp::EngineStats stats = engine->Stats();
     opt.step();
     opt.zero_grad();
     HSDP_ASSIGN_OR_RETURN(const double loss,
-                          MeshAverage(*mesh, local_loss, device));
+                          MeshAverage(*mesh, loss_sum.item<double>(), device));
     const double step_seconds = SecondsSince(t0);
 
     bool saved = false;
@@ -482,6 +490,8 @@ absl::Status TrainSharded(const WorkerOptions& o) {
                                     stats.units[u].all_reduce_seconds);
     }
     HSDP_RETURN_IF_ERROR(agent.ReportStep(report, step == last_step));
+    finished_sent = step == last_step;
+    last_report = report;
 
     std::string raf;
     for (const auto& u : schedule.units())
@@ -500,14 +510,9 @@ absl::Status TrainSharded(const WorkerOptions& o) {
         schedule.policy_version(), raf, micro, stats.all_gather_seconds,
         stats.reduce_scatter_seconds + stats.all_reduce_seconds,
         saved ? "true" : "false", world));
-    last_done = step;
   }
-  if (drained) {
-    hsdp::v1::StepReport report;
-    report.set_rank(rank);
-    report.set_step(last_done);
-    agent.ReportStep(report, /*finished=*/true).IgnoreError();
-    LOG(INFO) << "rank " << rank << " drained";
+  if (!finished_sent && last_report.step() >= 0) {
+    HSDP_RETURN_IF_ERROR(agent.ReportStep(last_report, /*finished=*/true));
   }
 
   if (!run.final_params.empty()) {
