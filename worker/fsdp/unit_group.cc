@@ -124,7 +124,11 @@ UnitGroup::UnitGroup(EngineCore* core, int index, std::string name,
   compute_dtype_ = core_->param_dtype(master);
   reduce_dtype_ =
       core_->options.mixed_precision.reduce_dtype.value_or(compute_dtype_);
-  for (const auto& p : params_) stats_.sharded_bytes += p->sharded_bytes();
+  aliases_shard_ = !params_.empty();
+  for (const auto& p : params_) {
+    stats_.sharded_bytes += p->sharded_bytes();
+    aliases_shard_ = aliases_shard_ && p->aliases_shard();
+  }
 }
 
 std::vector<ShardedParam*> UnitGroup::params() const {
@@ -147,8 +151,9 @@ absl::Status UnitGroup::WaitWork(std::unique_ptr<comm::Work>& work,
 }
 
 void UnitGroup::Unshard() {
-  if (state_ != State::kSharded || params_.empty()) {
-    if (params_.empty()) state_ = State::kUnsharded;
+  if (state_ != State::kSharded) return;
+  if (params_.empty() || aliases_shard_) {  // nothing to gather
+    state_ = State::kUnsharded;
     return;
   }
   core_->CheckOk();
@@ -243,6 +248,23 @@ void UnitGroup::PostBackward() {
 
 void UnitGroup::IssueReduction() {
   core_->CheckOk();
+  ++stats_.reduce_scatters;
+  if (core_->shard_size() == 1 && core_->replicate_size() == 1) {
+    // Nothing to reduce with: the gradients themselves, in reduce_dtype, are
+    // the reduced shards (no flat buffer, no copy when the dtypes agree).
+    direct_grads_.assign(params_.size(), at::Tensor());
+    had_grad_.resize(params_.size(), false);
+    for (size_t i = 0; i < params_.size(); ++i) {
+      const at::Tensor g = params_[i]->unsharded_grad();
+      if (!g.defined()) continue;
+      had_grad_[i] = true;
+      direct_grads_[i] = g.to(reduce_dtype_);
+      params_[i]->ClearUnshardedGrad();
+    }
+    reduction_pending_ = true;
+    core_->pending_reductions.push_back(this);
+    return;
+  }
   const at::TensorOptions options =
       at::TensorOptions().dtype(reduce_dtype_).device(core_->options.device);
   const int64_t chunk = FlatChunkNumel(params());
@@ -256,7 +278,6 @@ void UnitGroup::IssueReduction() {
     if (params_[i]->unsharded_grad().defined()) had_grad_[i] = true;
   }
   for (ShardedParam* p : params()) p->ClearUnshardedGrad();
-  ++stats_.reduce_scatters;
   if (core_->shard_size() > 1) {
     rs_output_ = core_->buffers.Acquire(chunk, options);
     absl::StatusOr<comm::Buffer> in = ToBuffer(rs_input_);
@@ -274,6 +295,17 @@ void UnitGroup::IssueReduction() {
 void UnitGroup::FinishReduction() {
   if (!reduction_pending_) return;
   reduction_pending_ = false;
+  if (!direct_grads_.empty()) {
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (direct_grads_[i].defined()) {
+        params_[i]->AccumulateShardedGrad(std::move(direct_grads_[i]),
+                                          /*may_steal=*/true);
+      }
+    }
+    direct_grads_.clear();
+    had_grad_.clear();
+    return;
+  }
   if (rs_work_) {
     absl::Status s =
         WaitWork(rs_work_, &stats_.reduce_scatter_seconds, "reduce-scatter");

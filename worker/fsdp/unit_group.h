@@ -204,6 +204,10 @@ class UnitGroup {
   // Per parameter: some reduction since the last accumulation carried a
   // gradient.
   std::vector<bool> had_grad_;
+  // One shard, one replica: the gradients handed over without a collective.
+  std::vector<at::Tensor> direct_grads_;
+  // Every parameter aliases its shard: nothing to gather or free.
+  bool aliases_shard_ = false;
 
   UnitStats stats_;
 };

@@ -143,12 +143,18 @@ TEST(MemoryTest, ReshardAfterForwardFreesProcessMemory) {
   // threshold).
   constexpr int kMmapThreshold = 64 * 1024;
   ASSERT_EQ(mallopt(M_MMAP_THRESHOLD, kMmapThreshold), 1);
+  constexpr int kShards =
+      2;  // one shard would alias the shard: nothing to free
   RunConfig config;
   config.dims = BigBlocks();
   const StateDict init = MakeInitialState(config.dims, 20);
   int64_t rss_growth[2] = {0, 0};
   int64_t block_bytes = 0;
-  RunOnMesh({1, 1}, [&](RankContext& ctx) {
+  RunOnMesh({1, kShards}, [&](RankContext& ctx) {
+    // Both ranks share the process: measure between barriers, on rank 0.
+    auto barrier = [&] {
+      ASSERT_TRUE(ctx.mesh->shard().Barrier()->Wait().ok());
+    };
     for (bool reshard : {true, false}) {
       RunConfig c = config;
       c.reshard_after_forward = reshard;
@@ -156,15 +162,18 @@ TEST(MemoryTest, ReshardAfterForwardFreesProcessMemory) {
       std::unique_ptr<Engine> engine = MakeEngine(model, ctx.comms(), c);
       std::vector<UnitInfo> units = engine->Units();
       block_bytes = units[1].unsharded_bytes + units[2].unsharded_bytes;
-      auto [tokens, targets] = Batch(c.dims, 0, 0, 2);
-      // Warm up first: one-time buffers (BLAS workspaces, pools) must not count
-      // below.
+      auto [tokens, targets] = Batch(c.dims, 0, ctx.rank * 2, 2);
+      // Warm up first: one-time buffers (BLAS workspaces, pools) must not
+      // count below.
       ASSERT_TRUE(engine->Apply(MakeSchedule(engine->num_units(), c), 0).ok());
       EngineForward(*engine, model, tokens, false).sum().backward();
       ASSERT_TRUE(engine->Apply(MakeSchedule(engine->num_units(), c), 0).ok());
+      barrier();
       const int64_t before = ResidentBytes();
       at::Tensor logits = EngineForward(*engine, model, tokens, false);
-      rss_growth[reshard ? 0 : 1] = ResidentBytes() - before;
+      barrier();
+      if (ctx.rank == 0) rss_growth[reshard ? 0 : 1] = ResidentBytes() - before;
+      barrier();
       const EngineStats stats = engine->Stats();
       for (int u = 1; u <= 2; ++u) {
         EXPECT_EQ(stats.units[u].unsharded_bytes_alive,
@@ -180,11 +189,34 @@ TEST(MemoryTest, ReshardAfterForwardFreesProcessMemory) {
     }
   });
   ASSERT_GT(block_bytes, 4 << 20);
-  // Keeping the blocks unsharded costs their bytes in RSS; resharding gives
-  // them back.
-  EXPECT_GT(rss_growth[1] - rss_growth[0], block_bytes * 8 / 10)
+  // Keeping the blocks unsharded costs their bytes in RSS (on both ranks);
+  // resharding gives them back.
+  EXPECT_GT(rss_growth[1] - rss_growth[0], kShards * block_bytes * 8 / 10)
       << "growth with reshard " << rss_growth[0] << ", without "
       << rss_growth[1];
+}
+
+TEST(MemoryTest, OneShardAliasesTheShard) {
+  RunConfig config;
+  const StateDict init = MakeInitialState(config.dims, 24);
+  RunOnMesh({1, 1}, [&](RankContext& ctx) {
+    TinyTransformer model = MakeModel(config.dims, init);
+    std::unique_ptr<Engine> engine = MakeEngine(model, ctx.comms(), config);
+    const auto named = engine->NamedParameters();
+    const auto module_params = model->named_parameters();
+    for (const auto& [name, shard] : named) {
+      // The module parameter reads the optimizer's shard in place: no copy.
+      EXPECT_EQ(module_params[name].data_ptr(), shard.data_ptr()) << name;
+    }
+    auto [tokens, targets] = Batch(config.dims, 0, 0, 2);
+    EngineForward(*engine, model, tokens, false).sum().backward();
+    const EngineStats stats = engine->Stats();
+    EXPECT_EQ(stats.peak_unsharded_bytes, 0);
+    EXPECT_EQ(stats.peak_comm_buffer_bytes, 0);
+    for (const auto& [name, shard] : named) {
+      EXPECT_TRUE(shard.grad().defined()) << name;
+    }
+  });
 }
 
 TEST(EngineApiTest, RejectsBadSetUpAndSchedules) {
