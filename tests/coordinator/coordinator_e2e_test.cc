@@ -141,12 +141,16 @@ TEST(CoordinatorE2eTest, KilledAndRestartedServesTheSameSealedSteps) {
     // A short heartbeat timeout so a silent rank is lost and the generation
     // moves off 0.
     CoordinatorProcess coordinator(HSDP_COORDINATOR_BIN,
-                                   JobArgs(state, token_file, "0.6"));
+                                   JobArgs(state, token_file, "1"));
     ASSERT_FALSE(coordinator.address().empty()) << coordinator.process().err();
     Clients c(coordinator.address());
     c.Join(0);
     c.Join(1);
-    for (int i = 0; i < 12; ++i) {  // rank 1 stays silent for ~1.2 s
+    // Rank 0 beats 10x per timeout; rank 1 stays silent until it is lost.
+    const auto give_up =
+        std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (c.Status().generation() == 0 &&
+           std::chrono::steady_clock::now() < give_up) {
       c.Heartbeat(0);
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }

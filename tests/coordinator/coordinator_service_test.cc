@@ -663,19 +663,23 @@ TEST_F(ServiceTest, StoreBlocksUntilSetAndIsScopedByGeneration) {
 }
 
 TEST_F(ServiceTest, SilentWorkerIsLostAndGenerationBumps) {
-  StartServer(2, MeshShape{1, 2}, ServerOptions{}, absl::Milliseconds(400));
+  StartServer(2, MeshShape{1, 2}, ServerOptions{}, absl::Seconds(1));
   const hsdp::v1::JoinResponse j0 = JoinRank(0);
   JoinRank(1);
-  // Rank 0 keeps beating; rank 1 goes silent.
+  // Rank 0 keeps beating (10x per timeout, so a loaded machine cannot lose it);
+  // rank 1 goes silent until the coordinator notices.
   hsdp::v1::HeartbeatResponse beat;
-  for (int i = 0; i < 12; ++i) {
+  const auto give_up =
+      std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  do {
     hsdp::v1::HeartbeatRequest request;
     request.set_job_id(kJob);
     request.set_rank(0);
     request.set_generation(j0.generation());
     ASSERT_TRUE(worker_->Heartbeat(Ctx().get(), request, &beat).ok());
     std::this_thread::sleep_for(milliseconds(100));
-  }
+  } while (beat.generation() == j0.generation() &&
+           std::chrono::steady_clock::now() < give_up);
   EXPECT_EQ(beat.generation(), j0.generation() + 1);
   EXPECT_EQ(beat.job_state(), hsdp::v1::JOB_STATE_DEGRADED);
   hsdp::v1::ListWorkersResponse workers;
