@@ -230,6 +230,11 @@ void UnitGroup::PreBackward() {
   core_->QueueEndOfBackwardOnce();
   if (pre_backward_done) return;
   pre_backward_done = true;
+  // An all-gather issued now queues behind the previous unit's reduce-scatter
+  // on the same communicator anyway: finish that first, so its flat buffers
+  // are reused instead of both sets being alive (a prefetched unit keeps the
+  // overlap).
+  if (state_ == State::kSharded) core_->FinishPendingReductions();
   Unshard();
   for (int j : backward_prefetch) core_->units[j]->Unshard();
   WaitForUnshard();
