@@ -434,17 +434,29 @@ int main(int argc, char** argv) {
                  "logs, reports and coordinator state (default: a temp dir)");
   app.add_option("--bin-dir", o.bin_dir,
                  "where hsdp-coordinator and hsdp-worker are");
-  app.add_option("worker-args", o.worker_args,
-                 "extra hsdp-worker flags, after --");
-  app.allow_extras(false);
+  // Flags hsdp-launch does not know go to every worker as well (e.g.
+  // --microbatch-size 8).
+  app.allow_extras(true);
   try {
-    app.parse(argc, argv);
+    // Everything after `--` goes to the workers verbatim (CLI11 would reorder
+    // it).
+    int launcher_argc = argc;
+    for (int i = 1; i < argc; ++i) {
+      if (std::string(argv[i]) == "--") {
+        launcher_argc = i;
+        o.worker_args.assign(argv + i + 1, argv + argc);
+        break;
+      }
+    }
+    app.parse(launcher_argc, argv);
   } catch (const CLI::CallForHelp& e) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
     std::cerr << "hsdp-launch: " << e.what() << " (see --help)" << std::endl;
     return kExitUsage;
   }
+  for (const std::string& extra : app.remaining())
+    o.worker_args.push_back(extra);
   if (o.workers <= 0 || o.steps < 0 || o.port < 0) {
     std::cerr << "hsdp-launch: --workers must be > 0, --steps and --port >= 0"
               << std::endl;

@@ -333,6 +333,37 @@ absl::StatusOr<std::unique_ptr<comm::DeviceMesh>> BuildMesh(
                                       o.collective_timeout);
 }
 
+// The checkpoint step to resume from, or -1. Prefers the coordinator's record
+// of the latest step every rank saved (works with per-rank volumes) when this
+// rank has that file; otherwise the newest step whose files for all ranks are
+// in `dir` (a shared directory). Every rank must pick the same step: checked
+// with two mesh averages (mean and mean square agree only when all values are
+// equal), so a partial checkpoint ends in an error instead of diverging ranks.
+absl::StatusOr<int64_t> ResumeStep(const std::string& dir,
+                                   int64_t coordinator_step, int rank,
+                                   int world, comm::DeviceMesh& mesh,
+                                   const c10::Device& device) {
+  std::error_code ec;
+  int64_t step = -1;
+  if (coordinator_step >= 0 &&
+      fs::exists(RankFile(dir, coordinator_step, rank, world), ec)) {
+    step = coordinator_step;
+  } else {
+    step = LatestCompleteCheckpoint(dir, world);
+  }
+  const double x = static_cast<double>(step);
+  HSDP_ASSIGN_OR_RETURN(const double mean, MeshAverage(mesh, x, device));
+  HSDP_ASSIGN_OR_RETURN(const double mean_square,
+                        MeshAverage(mesh, x * x, device));
+  if (mean_square - mean * mean != 0.0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "ranks disagree on the checkpoint to resume from (rank ", rank,
+        " found step ", step, " in ", dir, ", the mean over ranks is ", mean,
+        "); is --checkpoint-dir complete?"));
+  }
+  return step;
+}
+
 absl::Status TrainSharded(const WorkerOptions& o) {
   const TrainingOptions& run = o.training;
   if (run.threads > 0) at::set_num_threads(run.threads);
@@ -399,10 +430,12 @@ absl::Status TrainSharded(const WorkerOptions& o) {
   const std::vector<at::Tensor> shards = engine->Parameters();
   torch::optim::AdamW opt(shards, torch::optim::AdamWOptions(run.lr));
 
-  // Resume: the latest checkpoint every rank of this world size completed.
   int64_t start = 0;
   if (!o.checkpoint_dir.empty()) {
-    const int64_t ckpt = LatestCompleteCheckpoint(o.checkpoint_dir, world);
+    HSDP_ASSIGN_OR_RETURN(
+        const int64_t ckpt,
+        ResumeStep(o.checkpoint_dir, join.last_checkpoint_step(), rank, world,
+                   *mesh, device));
     if (ckpt >= 0) {
       HSDP_RETURN_IF_ERROR(
           LoadCheckpoint(o.checkpoint_dir, ckpt, rank, world, shards, opt));
