@@ -161,6 +161,21 @@ void CoordinatorServer::SweepLoop(absl::Duration period) {
   }
 }
 
+void CoordinatorServer::StopServing() {
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopped_serving_ || server_ == nullptr) return;
+    stopped_serving_ = true;
+  }
+  // Load balancers and kubelet probes see NOT_SERVING first (the default
+  // health service flips every service and ignores later changes).
+  server_->GetHealthCheckService()->Shutdown();
+  // Release long polls so they answer UNAVAILABLE now instead of running into
+  // the deadline.
+  schedule_log_->Shutdown();
+  kv_store_->Shutdown();
+}
+
 void CoordinatorServer::Shutdown() {
   {
     absl::MutexLock lock(&mu_);
@@ -168,13 +183,7 @@ void CoordinatorServer::Shutdown() {
     shutting_down_ = true;
   }
   if (server_ != nullptr) {
-    // Load balancers and kubelet probes see NOT_SERVING first (the default
-    // health service flips every service and ignores later changes).
-    server_->GetHealthCheckService()->Shutdown();
-    // Release long polls so they answer UNAVAILABLE now instead of running into
-    // the deadline.
-    schedule_log_->Shutdown();
-    kv_store_->Shutdown();
+    StopServing();
     // Our calls get until the deadline; then Shutdown(now) cancels any left
     // and drops connections without waiting for idle clients to hang up.
     calls_->WaitIdle(absl::Now() + shutdown_deadline_);

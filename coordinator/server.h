@@ -86,8 +86,16 @@ class CoordinatorServer {
   // Bound metrics port, or 0.
   int metrics_port() const;
 
-  // Graceful stop: health NOT_SERVING, long polls released (UNAVAILABLE), then
-  // the gRPC server's Shutdown with the configured deadline. Idempotent.
+  // First phase of a graceful stop: health turns NOT_SERVING for every service
+  // (probes and load balancers stop sending work), waiting long polls are
+  // released with UNAVAILABLE, and from then on GetSchedule and the store's
+  // Get/Wait answer UNAVAILABLE at once (workers retry against the next
+  // coordinator). The other calls are still answered. Idempotent.
+  void StopServing() ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Graceful stop: StopServing(), then the calls in flight get up to the
+  // shutdown deadline to finish, then the gRPC server shuts down (cancelling
+  // what is left, closing connections). Idempotent.
   void Shutdown() ABSL_LOCKS_EXCLUDED(mu_);
 
   // Blocks until Shutdown() completed.
@@ -120,6 +128,7 @@ class CoordinatorServer {
   std::thread sweeper_;
   absl::Notification shut_down_;
   absl::Mutex mu_;
+  bool stopped_serving_ ABSL_GUARDED_BY(mu_) = false;
   bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
 };
 

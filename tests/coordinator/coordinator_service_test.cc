@@ -805,6 +805,34 @@ TEST_F(ServiceTest, ReflectionListsBothServices) {
   EXPECT_NE(listed.find(kControlServiceName), std::string::npos) << listed;
 }
 
+TEST_F(ServiceTest, StopServingTurnsHealthNotServingAndReleasesPolls) {
+  StartServer(1, MeshShape{1, 1});
+  JoinRank(0);
+  grpc::Status polled;
+  std::thread poll([&] {
+    hsdp::v1::GetScheduleResponse r;
+    polled = Fetch(0, 7, &r);  // beyond the window: waits
+  });
+  std::this_thread::sleep_for(milliseconds(200));
+  server_->StopServing();
+  poll.join();
+  EXPECT_EQ(polled.error_code(), grpc::StatusCode::UNAVAILABLE)
+      << polled.error_message();
+  constexpr int kNotServing = 2;
+  for (const std::string service :
+       {"", kCoordinatorServiceName, kControlServiceName}) {
+    int serving = -1;
+    ASSERT_TRUE(HealthCheck(channel_.get(), service, &serving).ok());
+    EXPECT_EQ(serving, kNotServing) << "'" << service << "'";
+  }
+  // Still answering while draining: status is readable.
+  hsdp::v1::GetStatusResponse status;
+  EXPECT_TRUE(
+      control_
+          ->GetStatus(Ctx(std::chrono::seconds(5), kToken).get(), {}, &status)
+          .ok());
+}
+
 // Fetches http://127.0.0.1:port/metrics with a plain socket (no HTTP client is
 // packaged).
 std::string HttpGet(int port, const std::string& path) {
