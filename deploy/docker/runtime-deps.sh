@@ -62,9 +62,10 @@ for path in "${!libs[@]}"; do
   if [ -n "$pkg" ]; then
     echo "${pkg%%:*}" >>"$out/packages.txt"
   else
-    # Keep the name the loader looks for (a symlink) and the file behind it.
-    cp -a --parents "$path" "$out/root/"
-    [ "$real" = "$path" ] || cp -a --parents "$real" "$out/root/"
+    # Keep the name the loader looks for (a symlink) and the file behind it. tar, not
+    # `cp --parents`, so a path through a symlinked folder (/usr/local/cuda -> cuda-13.0) works.
+    tar -C / -cf - "${path#/}" | tar -C "$out/root" -xf -
+    [ "$real" = "$path" ] || tar -C / -cf - "${real#/}" | tar -C "$out/root" -xf -
   fi
 done
 sort -u -o "$out/packages.txt" "$out/packages.txt"
