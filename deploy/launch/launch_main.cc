@@ -347,6 +347,14 @@ int Run(const Options& o) {
                                       "127.0.0.1",
                                       "--report-file",
                                       report};
+    // Checkpoints (policy interval or `hsdpctl checkpoint`) land in the run dir
+    // unless the user chose a place; relaunching on the same --run-dir resumes
+    // from them.
+    if (std::find(o.worker_args.begin(), o.worker_args.end(),
+                  "--checkpoint-dir") == o.worker_args.end()) {
+      wargs.push_back("--checkpoint-dir");
+      wargs.push_back(run_dir + "/checkpoints");
+    }
     wargs.insert(wargs.end(), o.worker_args.begin(), o.worker_args.end());
     Child w{absl::StrCat("worker ", r), -1,
             absl::StrCat(run_dir, "/worker-", r, ".log")};

@@ -494,7 +494,11 @@ absl::Status TrainSharded(const WorkerOptions& o) {
     const double step_seconds = SecondsSince(t0);
 
     bool saved = false;
-    if (schedule.checkpoint() && !o.checkpoint_dir.empty()) {
+    if (schedule.checkpoint() && o.checkpoint_dir.empty()) {
+      LOG_FIRST_N(WARNING, 1)
+          << "step " << step
+          << " asks for a checkpoint but --checkpoint-dir is not set";
+    } else if (schedule.checkpoint()) {
       HSDP_RETURN_IF_ERROR(
           SaveCheckpoint(o.checkpoint_dir, step, rank, world, shards, opt));
       saved = true;
