@@ -159,13 +159,16 @@ void UnitGroup::Unshard() {
   core_->CheckOk();
   const at::TensorOptions options =
       at::TensorOptions().dtype(compute_dtype_).device(core_->options.device);
-  ag_input_ = core_->buffers.Acquire(FlatChunkNumel(params()), options);
-  AllGatherCopyIn(params(), ag_input_);
+  // In place: this rank's chunk is copied into its slot of the gathered
+  // buffer, so a unit needs one flat buffer, not two.
+  const int64_t chunk = FlatChunkNumel(params());
+  ag_output_ = core_->buffers.Acquire(chunk * core_->shard_size(), options);
+  const at::Tensor own =
+      ag_output_.narrow(0, chunk * core_->shard_rank(), chunk);
+  AllGatherCopyIn(params(), own);
   ++stats_.all_gathers;
   if (core_->shard_size() > 1) {
-    ag_output_ = core_->buffers.Acquire(ag_input_.numel() * core_->shard_size(),
-                                        options);
-    absl::StatusOr<comm::Buffer> in = ToBuffer(ag_input_);
+    absl::StatusOr<comm::Buffer> in = ToBuffer(own);
     absl::StatusOr<comm::Buffer> out = ToBuffer(ag_output_);
     if (!in.ok()) core_->Fail(in.status());
     if (!out.ok()) core_->Fail(out.status());
@@ -191,8 +194,7 @@ void UnitGroup::WaitForUnshard() {
   }
   stats_.peak_unsharded_bytes =
       std::max(stats_.peak_unsharded_bytes, stats_.unsharded_bytes_alive);
-  AllGatherCopyOut(ag_output_.defined() ? ag_output_ : ag_input_, params());
-  core_->buffers.Release(ag_input_);
+  AllGatherCopyOut(ag_output_, params());
   core_->buffers.Release(ag_output_);
   state_ = State::kUnsharded;
 }
@@ -284,7 +286,8 @@ void UnitGroup::IssueReduction() {
   }
   for (ShardedParam* p : params()) p->ClearUnshardedGrad();
   if (core_->shard_size() > 1) {
-    rs_output_ = core_->buffers.Acquire(chunk, options);
+    // In place: the reduced chunk lands in this rank's slot of the input.
+    rs_output_ = rs_input_.narrow(0, chunk * core_->shard_rank(), chunk);
     absl::StatusOr<comm::Buffer> in = ToBuffer(rs_input_);
     absl::StatusOr<comm::Buffer> out = ToBuffer(rs_output_);
     if (!in.ok()) core_->Fail(in.status());
@@ -354,16 +357,16 @@ void UnitGroup::FinishReduction() {
 }
 
 void UnitGroup::ReleaseReductionBuffers() {
+  rs_output_.reset();  // a view of rs_input_: drop it before the pool checks
   core_->buffers.Release(rs_input_);
-  core_->buffers.Release(rs_output_);
 }
 
 int64_t UnitGroup::FlatBufferBytes() const {
   const int64_t chunk = FlatChunkNumel(params());
   const int64_t elem = static_cast<int64_t>(std::max(
       c10::elementSize(compute_dtype_), c10::elementSize(reduce_dtype_)));
-  // One gathered / to-be-reduced buffer of S chunks plus one chunk.
-  return (core_->shard_size() + 1) * chunk * elem;
+  // One gathered / to-be-reduced buffer of S chunks (collectives in place).
+  return core_->shard_size() * chunk * elem;
 }
 
 UnitInfo UnitGroup::Info() const {

@@ -188,9 +188,9 @@ class UnitGroup {
   c10::ScalarType compute_dtype_;
   c10::ScalarType reduce_dtype_;
 
-  // Flat buffers from core_->buffers; the outputs stay undefined with one
-  // shard (the input is then the result).
-  at::Tensor ag_input_;
+  // Flat buffers from core_->buffers, S chunks each. Collectives run in place:
+  // rs_output_ is this rank's chunk of rs_input_ (undefined with one shard,
+  // when the input is the result).
   at::Tensor ag_output_;
   std::unique_ptr<comm::Work> ag_work_;
   at::Tensor rs_input_;
