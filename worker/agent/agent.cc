@@ -75,6 +75,7 @@ Agent::~Agent() {
   {
     absl::MutexLock lock(&mu_);
     stop_ = true;
+    for (grpc::ClientContext* ctx : in_flight_) ctx->TryCancel();
   }
   if (heartbeat_.joinable()) heartbeat_.join();
   if (prefetch_.valid()) prefetch_.wait();
@@ -88,7 +89,20 @@ absl::Status Agent::CallWithRetry(const std::string& what,
   while (true) {
     grpc::ClientContext ctx;
     SetDeadline(ctx, attempt_timeout);
+    {
+      // Registered so the destructor can cancel a long poll instead of waiting
+      // it out.
+      absl::MutexLock lock(&mu_);
+      if (stop_)
+        return absl::CancelledError(
+            absl::StrCat(what, ": agent shutting down"));
+      in_flight_.insert(&ctx);
+    }
     absl::Status status = FromGrpc(attempt(ctx), what);
+    {
+      absl::MutexLock lock(&mu_);
+      in_flight_.erase(&ctx);
+    }
     if (status.ok() || !IsTransient(status.code())) return status;
     const absl::Time now = absl::Now();
     if (!first_failure) first_failure = now;

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -127,6 +128,8 @@ class Agent {
   hsdp::v1::JoinResponse join_ ABSL_GUARDED_BY(mu_);
   absl::Status membership_ ABSL_GUARDED_BY(mu_);
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  // RPC attempts running now (CallWithRetry); cancelled by the destructor.
+  absl::flat_hash_set<grpc::ClientContext*> in_flight_ ABSL_GUARDED_BY(mu_);
   // Bumped by every successful (re-)join.
   int64_t join_epoch_ ABSL_GUARDED_BY(mu_) = 0;
   // Serialises re-joins (held across the Join RPC, never together with mu_

@@ -110,6 +110,7 @@ class FakeCoordinator final : public CoordinatorService::Service {
   int heartbeats_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t heartbeat_generation_ ABSL_GUARDED_BY(mu_) = 7;
   int64_t drain_after_ ABSL_GUARDED_BY(mu_) = 1000;
+  int64_t hold_after_ ABSL_GUARDED_BY(mu_) = 1000;
   bool forget_members_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<int64_t> schedule_requests_ ABSL_GUARDED_BY(mu_);
   std::vector<int64_t> reported_ ABSL_GUARDED_BY(mu_);
@@ -189,6 +190,26 @@ TEST(AgentTest, DrainedStopsPrefetch) {
   ASSERT_TRUE(agent.Join().ok());
   ASSERT_FALSE(agent.GetSchedule(0, 10)->drained());
   EXPECT_TRUE(agent.GetSchedule(1, 10)->drained());
+}
+
+TEST(AgentTest, DestructorCancelsAnInFlightLongPoll) {
+  FakeCoordinator fake;
+  {
+    absl::MutexLock lock(&fake.mu_);
+    fake.hold_after_ = 0;
+  }
+  int port = 0;
+  auto server = Serve(&fake, "127.0.0.1:0", &port);
+  AgentOptions o = Options(port);
+  o.schedule_poll_timeout = absl::Seconds(30);
+  auto agent = std::make_unique<Agent>(o);
+  ASSERT_TRUE(agent->Join().ok());
+  ASSERT_TRUE(agent->GetSchedule(0, 10)
+                  .ok());  // starts the prefetch of step 1, which hangs
+  absl::SleepFor(absl::Milliseconds(100));
+  const absl::Time start = absl::Now();
+  agent.reset();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(3));
 }
 
 TEST(AgentTest, SurvivesCoordinatorRestartOnSamePort) {
