@@ -143,9 +143,10 @@ struct UnitInfo {
 // Create/ResetStats.
 struct UnitStats {
   int64_t sharded_bytes = 0;
-  int64_t unsharded_bytes_alive =
-      0;                   // storage bytes of the unsharded params right now
-  int64_t grad_bytes = 0;  // sharded + unsharded gradient bytes right now
+  // Storage bytes of the unsharded params right now.
+  int64_t unsharded_bytes_alive = 0;
+  // Sharded + unsharded gradient bytes right now.
+  int64_t grad_bytes = 0;
   int64_t peak_unsharded_bytes = 0;
   int64_t all_gathers = 0;
   int64_t reduce_scatters = 0;
@@ -177,7 +178,7 @@ using TensorListFn =
     std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)>;
 
 // A registered unit. Owned by the Engine; references stay valid for the
-// Engine's lifetime.
+// Engine's lifetime. Thread-compatible, like the Engine.
 class UnitHandle {
  public:
   // Runs `fn` inside the unit: pre-forward (all-gather, prefetch, input cast),
@@ -254,8 +255,9 @@ class Engine {
 };
 
 // A module holder wrapped so that calling it enters its unit:
-//   FullyShard<Block> block(engine->Unit(1), model->layers[0]);  at::Tensor y =
-//   block(x);
+//   FullyShard<Block> block(engine->Unit(1), model->layers[0]);
+//   at::Tensor y = block(x);
+// Thread-compatible, like the Engine whose unit it enters.
 template <typename ModuleHolder>
 class FullyShard {
  public:
