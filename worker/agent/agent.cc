@@ -311,13 +311,10 @@ absl::Status Agent::StoreSet(const std::string& key, const std::string& value) {
                        });
 }
 
-absl::StatusOr<std::string> Agent::StoreGet(const std::string& key,
-                                            absl::Duration timeout) {
-  hsdp::v1::StoreGetRequest req;
-  req.set_job_id(options_.job_id);
-  req.set_generation(generation());
-  req.set_key(key);
-  hsdp::v1::StoreGetResponse resp;
+template <typename Request, typename Rpc>
+absl::Status Agent::BlockingStoreCall(const std::string& what,
+                                      absl::Duration timeout, Request& req,
+                                      Rpc rpc) {
   // The coordinator may cap one call's wait below `timeout`: keep asking until
   // ours runs out.
   const absl::Time deadline = absl::Now() + timeout;
@@ -326,13 +323,24 @@ absl::StatusOr<std::string> Agent::StoreGet(const std::string& key,
     const absl::Duration left =
         std::max(deadline - absl::Now(), absl::ZeroDuration());
     req.set_timeout_ms(static_cast<int32_t>(absl::ToInt64Milliseconds(left)));
-    s = CallWithRetry(absl::StrCat("StoreGet(", key, ")"),
-                      left + kStoreDeadlineSlack,
-                      [&](grpc::ClientContext& ctx) {
-                        return stub_->StoreGet(&ctx, req, &resp);
-                      });
+    s = CallWithRetry(what, left + kStoreDeadlineSlack, rpc);
   } while (s.code() == absl::StatusCode::kDeadlineExceeded &&
            absl::Now() < deadline);
+  return s;
+}
+
+absl::StatusOr<std::string> Agent::StoreGet(const std::string& key,
+                                            absl::Duration timeout) {
+  hsdp::v1::StoreGetRequest req;
+  req.set_job_id(options_.job_id);
+  req.set_generation(generation());
+  req.set_key(key);
+  hsdp::v1::StoreGetResponse resp;
+  absl::Status s =
+      BlockingStoreCall(absl::StrCat("StoreGet(", key, ")"), timeout, req,
+                        [&](grpc::ClientContext& ctx) {
+                          return stub_->StoreGet(&ctx, req, &resp);
+                        });
   if (!s.ok()) return s;
   return resp.value();
 }
@@ -344,20 +352,11 @@ absl::Status Agent::StoreWait(const std::vector<std::string>& keys,
   req.set_generation(generation());
   for (const auto& k : keys) req.add_keys(k);
   hsdp::v1::StoreWaitResponse resp;
-  const absl::Time deadline = absl::Now() + timeout;
-  absl::Status s;
-  do {
-    const absl::Duration left =
-        std::max(deadline - absl::Now(), absl::ZeroDuration());
-    req.set_timeout_ms(static_cast<int32_t>(absl::ToInt64Milliseconds(left)));
-    s = CallWithRetry(absl::StrCat("StoreWait(", absl::StrJoin(keys, ","), ")"),
-                      left + kStoreDeadlineSlack,
-                      [&](grpc::ClientContext& ctx) {
-                        return stub_->StoreWait(&ctx, req, &resp);
-                      });
-  } while (s.code() == absl::StatusCode::kDeadlineExceeded &&
-           absl::Now() < deadline);
-  return s;
+  return BlockingStoreCall(
+      absl::StrCat("StoreWait(", absl::StrJoin(keys, ","), ")"), timeout, req,
+      [&](grpc::ClientContext& ctx) {
+        return stub_->StoreWait(&ctx, req, &resp);
+      });
 }
 
 int Agent::rank() const {

@@ -110,6 +110,11 @@ class Agent {
   template <typename Fn>
   absl::Status CallWithRetry(const std::string& what,
                              absl::Duration attempt_timeout, Fn attempt);
+  // A store RPC that blocks server-side: repeated until it answers or `timeout`
+  // is spent.
+  template <typename Request, typename Rpc>
+  absl::Status BlockingStoreCall(const std::string& what,
+                                 absl::Duration timeout, Request& req, Rpc rpc);
   absl::StatusOr<hsdp::v1::GetScheduleResponse> FetchSchedule(int64_t step);
   hsdp::v1::JoinRequest MakeJoinRequest(std::optional<int> rank_hint) const;
   // Re-joins after a coordinator restart forgot this worker; same rank and

@@ -106,20 +106,21 @@ struct ModelSetup {
   std::unique_ptr<TextDataset> data;
 };
 
-absl::StatusOr<ModelSetup> BuildModel(const std::string& name,
-                                      const std::string& dims,
-                                      const std::string& data_path,
-                                      uint64_t seed) {
+// Threads, model and data from the options shared by the worker and the
+// reference.
+absl::StatusOr<ModelSetup> BuildModel(const TrainingOptions& run) {
+  if (run.threads > 0) at::set_num_threads(run.threads);
   ModelSetup setup;
-  HSDP_ASSIGN_OR_RETURN(setup.config, models::ResolveGptConfig(name, dims));
-  HSDP_ASSIGN_OR_RETURN(TextDataset data, TextDataset::Open(data_path));
+  HSDP_ASSIGN_OR_RETURN(setup.config,
+                        models::ResolveGptConfig(run.model, run.dims));
+  HSDP_ASSIGN_OR_RETURN(TextDataset data, TextDataset::Open(run.data));
   if (data.size() <= static_cast<size_t>(setup.config.seq_len) + 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("data '", data.source(), "' is shorter than ",
                      "the model's seq_len ", setup.config.seq_len));
   }
   setup.data = std::make_unique<TextDataset>(std::move(data));
-  setup.model = Gpt(setup.config, seed);
+  setup.model = Gpt(setup.config, run.seed);
   return setup;
 }
 
@@ -366,9 +367,7 @@ absl::StatusOr<int64_t> ResumeStep(const std::string& dir,
 
 absl::Status TrainSharded(const WorkerOptions& o) {
   const TrainingOptions& run = o.training;
-  if (run.threads > 0) at::set_num_threads(run.threads);
-  HSDP_ASSIGN_OR_RETURN(ModelSetup setup,
-                        BuildModel(run.model, run.dims, run.data, run.seed));
+  HSDP_ASSIGN_OR_RETURN(ModelSetup setup, BuildModel(run));
   Gpt& model = setup.model;
   const c10::Device device(o.device);
   if (device.is_cuda() && !torch::cuda::is_available()) {
@@ -561,9 +560,7 @@ absl::Status TrainSharded(const WorkerOptions& o) {
 
 absl::Status TrainReference(const ReferenceOptions& o) {
   const TrainingOptions& run = o.training;
-  if (run.threads > 0) at::set_num_threads(run.threads);
-  HSDP_ASSIGN_OR_RETURN(ModelSetup setup,
-                        BuildModel(run.model, run.dims, run.data, run.seed));
+  HSDP_ASSIGN_OR_RETURN(ModelSetup setup, BuildModel(run));
   Gpt& model = setup.model;
   torch::optim::AdamW opt(model->parameters(),
                           torch::optim::AdamWOptions(run.lr));
