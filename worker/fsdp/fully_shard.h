@@ -92,13 +92,14 @@ struct MeshComms {
 
 // FSDP2's MixedPrecisionPolicy. Unset dtypes mean "the parameter's own dtype".
 struct MixedPrecisionPolicy {
-  std::optional<c10::ScalarType>
-      param_dtype;  // dtype of the all-gathered (compute) params
-  std::optional<c10::ScalarType>
-      reduce_dtype;  // dtype gradients are reduced in
-  std::optional<c10::ScalarType> output_dtype;  // root outputs are cast to this
-  bool cast_forward_inputs =
-      true;  // floating inputs of each unit → param_dtype
+  // Dtype of the all-gathered (compute) parameters.
+  std::optional<c10::ScalarType> param_dtype;
+  // Dtype gradients are reduced in (default: param_dtype).
+  std::optional<c10::ScalarType> reduce_dtype;
+  // Root outputs are cast to this.
+  std::optional<c10::ScalarType> output_dtype;
+  // Floating inputs of each unit are cast to param_dtype.
+  bool cast_forward_inputs = true;
 };
 
 // Sharded parameters and gradients live on the CPU (pinned where CUDA exists);
@@ -131,12 +132,12 @@ struct UnitInfo {
   std::string name;
   int64_t num_params = 0;  // parameter tensors
   int64_t numel = 0;       // elements of the unsharded parameters
-  int64_t unsharded_bytes =
-      0;  // bytes of the unsharded parameters in param_dtype
-  int64_t sharded_bytes =
-      0;  // bytes of this rank's padded shards (fp32 master copy)
-  std::vector<std::string>
-      param_names;  // fully qualified names under the root module
+  // Bytes of the unsharded parameters in param_dtype.
+  int64_t unsharded_bytes = 0;
+  // Bytes of this rank's padded shards (the master copy).
+  int64_t sharded_bytes = 0;
+  // Fully qualified names under the root module.
+  std::vector<std::string> param_names;
 };
 
 // Accounting of one unit on this rank. Times are cumulative seconds since

@@ -26,11 +26,14 @@ namespace hsdp::fsdp {
 struct ShardedParamSpec {
   int shard_rank = 0;
   int shard_size = 1;
-  c10::Device compute_device = c10::kCPU;  // where the unsharded tensor lives
-  c10::Device shard_device =
-      c10::kCPU;  // where the shard and its grad live (CPU if offload)
-  bool pin_memory = false;  // pinned shard (offload with CUDA)
-  c10::ScalarType param_dtype = c10::kFloat;  // dtype of the unsharded tensor
+  // Where the unsharded tensor lives.
+  c10::Device compute_device = c10::kCPU;
+  // Where the shard and its grad live (the CPU with offload).
+  c10::Device shard_device = c10::kCPU;
+  // Pinned shard (offload with CUDA).
+  bool pin_memory = false;
+  // Dtype of the unsharded tensor.
+  c10::ScalarType param_dtype = c10::kFloat;
 };
 
 class ShardedParam {
