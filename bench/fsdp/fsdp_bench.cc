@@ -42,7 +42,7 @@ constexpr absl::Duration kCommTimeout = absl::Seconds(60);
 struct Flags {
   std::string dims = "256,4,4,64";
   int batch = 4;
-  int steps = 16;
+  int steps = 30;
   int collective_reps = 30;
   std::vector<int> shard_sizes = {2, 4};
 };
