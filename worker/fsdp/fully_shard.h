@@ -277,7 +277,9 @@ class FullyShard {
 
 // Activation recomputation: runs fn without saving activations and reruns it in
 // backward. Units entered inside fn are re-gathered during the recompute
-// without forward prefetch.
+// without forward prefetch. `input` must require grad (as a block's hidden
+// state does), or no backward runs through fn; fn may run again after the
+// caller returned, so capture by value what does not outlive the step.
 at::Tensor Checkpoint(Engine& engine, const TensorFn& fn,
                       const at::Tensor& input);
 
