@@ -301,12 +301,9 @@ const std::vector<std::vector<StepRecord>>& Baseline() {
     auto* out = new std::vector<std::vector<StepRecord>>;
     Cluster c("baseline");
     c.StartCoordinator(kWorkers, kMesh);
-    c.StartWorkers(kWorkers, {"--final-params", c.dir() + "/final.pt"});
+    c.StartWorkers(kWorkers);
     c.WaitWorkers();
     for (int r = 0; r < kWorkers; ++r) out->push_back(ReadReport(c.report(r)));
-    fs::copy_file(c.dir() + "/final.pt",
-                  fs::path(::testing::TempDir()) / "hsdp-e2e-final.pt",
-                  fs::copy_options::overwrite_existing);
     return out;
   }();
   return *reports;
@@ -485,9 +482,8 @@ TEST(E2eTest, CheckpointKillAllWorkersRestartContinuesIdentically) {
 // stderr/stdout that contains `needle`.
 void ExpectOneLineError(const std::vector<std::string>& argv,
                         const std::string& needle, const std::string& name) {
-  const std::string log =
-      ::testing::TempDir() + "/hsdp-e2e-bad-" + name + ".log";
-  fs::remove(log);
+  Cluster scratch("bad-" + name);  // a directory removed when the test passes
+  const std::string log = scratch.dir() + "/output.log";
   const int rc = Wait(Spawn(argv, log), std::chrono::seconds(60));
   const std::string out = ReadFile(log);
   EXPECT_NE(rc, 0) << out;
@@ -551,12 +547,12 @@ TEST(E2eControlTest, DrainStopsEveryWorkerAtTheSameStep) {
 }
 
 TEST(E2eLaunchTest, SigtermStopsEveryProcess) {
-  const std::string dir = ::testing::TempDir() + "/hsdp-e2e-launch-term";
-  fs::remove_all(dir);
+  Cluster scratch("launch-term");
+  const std::string dir = scratch.dir() + "/run";
   Proc launch = Spawn({Bin("hsdp-launch"), "--workers", "2", "--mesh", "1x2",
                        "--steps", "100000", "--run-dir", dir, "--", "--dims",
                        kDims, "--microbatch-size", "2"},
-                      ::testing::TempDir() + "/hsdp-e2e-launch-term.log");
+                      scratch.dir() + "/launch.log");
   const std::string report = dir + "/worker-0.jsonl";
   const auto deadline = Clock::now() + std::chrono::seconds(60);
   while (StepsReported(report) < 2 && Clock::now() < deadline) {
@@ -573,12 +569,11 @@ TEST(E2eLaunchTest, SigtermStopsEveryProcess) {
 }
 
 TEST(E2eLaunchTest, NamesTheFirstFailedWorker) {
-  const std::string log = ::testing::TempDir() + "/hsdp-e2e-launch-fail.log";
-  fs::remove(log);
-  Proc launch =
-      Spawn({Bin("hsdp-launch"), "--workers", "2", "--model", "gpt-bogus",
-             "--run-dir", ::testing::TempDir() + "/hsdp-e2e-launch-fail"},
-            log);
+  Cluster scratch("launch-fail");
+  const std::string log = scratch.dir() + "/launch.log";
+  Proc launch = Spawn({Bin("hsdp-launch"), "--workers", "2", "--model",
+                       "gpt-bogus", "--run-dir", scratch.dir() + "/run"},
+                      log);
   EXPECT_EQ(Wait(launch, std::chrono::seconds(60)), 1);
   const std::string out = ReadFile(log);
   EXPECT_NE(
