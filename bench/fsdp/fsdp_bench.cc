@@ -38,6 +38,9 @@ constexpr uint64_t kSeed = 1234;
 constexpr int kWarmupSteps = 2;
 constexpr double kAdamStatesPerParam = 2;  // exp_avg, exp_avg_sq
 constexpr absl::Duration kCommTimeout = absl::Seconds(60);
+// Padding rows (dim 0 rounded up to a multiple of S) may lift the steady ratio
+// a little over 1/S.
+constexpr double kPaddingSlack = 0.01;
 
 struct Flags {
   std::string dims = "256,4,4,64";
@@ -205,25 +208,35 @@ void MemoryRatio(const models::GptConfig& config, const Flags& flags,
         numel * 4.0 * (2 + kAdamStatesPerParam);  // param+grad+adam
     const double steady = stats.sharded_bytes + stats.grad_bytes +
                           OptimizerStateBytes(*sharded.optimizer);
-    // Transients: unsharded params and grads at their peaks, and the flat
-    // communication buffers (in use or pooled).
-    const double peak = steady + stats.peak_unsharded_bytes +
-                        stats.peak_unsharded_grad_bytes +
-                        stats.peak_comm_buffer_bytes;
+    // Transients alive at the same moment (the engine samples their sum after
+    // every all-gather copy-out and reduce-scatter copy-in), not the sum of
+    // separate peaks, which never coincide.
+    const double peak = steady + stats.peak_transient_bytes;
+    const double separate_peaks = steady + stats.peak_unsharded_bytes +
+                                  stats.peak_unsharded_grad_bytes +
+                                  stats.peak_comm_buffer_bytes;
     // The allowance: the largest unit unsharded, parameters and gradients.
     const double bound = 1.0 / shards + 2.0 * largest_unit / unsharded;
     if (rank == 0) {
       std::printf(
-          "memory, world %d (1x%d): per-rank param+grad+AdamW %.2f MB vs "
-          "unsharded %.2f MB: steady ratio %.3f; peak ratio %.3f with "
-          "transients (unsharded params %.2f MB + unsharded grads %.2f MB + "
-          "flat comm buffers %.2f MB; largest unit %.2f MB); bound 1/S + "
-          "largest unit (params+grads) = %.3f %s\n",
-          shards, shards, steady / 1e6, unsharded / 1e6, steady / unsharded,
-          peak / unsharded, stats.peak_unsharded_bytes / 1e6,
-          stats.peak_unsharded_grad_bytes / 1e6,
-          stats.peak_comm_buffer_bytes / 1e6, largest_unit / 1e6, bound,
-          peak / unsharded <= bound ? "PASS" : "MISS");
+          "memory, world %d (1x%d, prefetch depth 0, reshard after forward "
+          "and backward): unsharded param+grad+AdamW %.2f MB, largest unit "
+          "%.2f MB\n"
+          "  steady: per-rank %.2f MB, ratio %.3f (target 1/S = %.3f) %s\n"
+          "  peak: ratio %.3f = steady + transients alive together %.2f MB "
+          "(unsharded params %.2f MB + unsharded grads %.2f MB + flat comm "
+          "buffers %.2f MB); bound 1/S + largest unit (params+grads) = %.3f "
+          "%s\n"
+          "  (sum of the separate peaks, never alive together: ratio %.3f)\n",
+          shards, shards, unsharded / 1e6, largest_unit / 1e6, steady / 1e6,
+          steady / unsharded, 1.0 / shards,
+          steady / unsharded <= 1.0 / shards + kPaddingSlack ? "PASS" : "MISS",
+          peak / unsharded, stats.peak_transient_bytes / 1e6,
+          stats.peak_transient_param_bytes / 1e6,
+          stats.peak_transient_grad_bytes / 1e6,
+          stats.peak_transient_comm_bytes / 1e6, bound,
+          peak / unsharded <= bound ? "PASS" : "MISS",
+          separate_peaks / unsharded);
     }
   });
 }

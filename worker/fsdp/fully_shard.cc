@@ -305,6 +305,10 @@ EngineStats Engine::Stats() const {
   s.peak_unsharded_grad_bytes = core_->peak_unsharded_grad_bytes;
   s.comm_buffer_bytes = core_->buffers.bytes();
   s.peak_comm_buffer_bytes = core_->buffers.peak_bytes();
+  s.peak_transient_bytes = core_->peak_transient_bytes;
+  s.peak_transient_param_bytes = core_->peak_transient_param_bytes;
+  s.peak_transient_grad_bytes = core_->peak_transient_grad_bytes;
+  s.peak_transient_comm_bytes = core_->peak_transient_comm_bytes;
   return s;
 }
 
@@ -315,6 +319,7 @@ void Engine::ResetStats() {
   core_->peak_unsharded_bytes = core_->unsharded_bytes_alive;
   core_->peak_unsharded_grad_bytes = 0;
   core_->buffers.ResetPeak();
+  core_->peak_transient_bytes = 0;
 }
 
 std::vector<at::Tensor> Engine::Parameters() const {

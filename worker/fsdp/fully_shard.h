@@ -168,6 +168,15 @@ struct EngineStats {
   // largest unit's worth idle), now and at peak.
   int64_t comm_buffer_bytes = 0;
   int64_t peak_comm_buffer_bytes = 0;
+  // The peaks above are taken separately and never coincide. This is the
+  // peak of their sum, at moments when all of them exist together:
+  // sampled after each all-gather's copy-out (before its flat buffer goes
+  // back to the pool) and after each reduce-scatter's copy-in (before the
+  // unsharded grads are dropped). Its parts are the values at that moment.
+  int64_t peak_transient_bytes = 0;
+  int64_t peak_transient_param_bytes = 0;
+  int64_t peak_transient_grad_bytes = 0;
+  int64_t peak_transient_comm_bytes = 0;
   int64_t grad_bytes = 0;
   double all_gather_seconds = 0;
   double reduce_scatter_seconds = 0;

@@ -24,7 +24,11 @@ at::Tensor FlatBufferPool::Acquire(int64_t numel,
       break;
     }
   }
-  if (!buffer.defined()) buffer = at::empty({numel}, options);
+  if (!buffer.defined()) {
+    idle_buffers_.clear();
+    idle_ = 0;
+    buffer = at::empty({numel}, options);
+  }
   live_ += static_cast<int64_t>(buffer.nbytes());
   peak_ = std::max(peak_, bytes());
   return buffer;
@@ -67,7 +71,7 @@ void EngineCore::AddUnshardedBytes(int64_t delta) {
   peak_unsharded_bytes = std::max(peak_unsharded_bytes, unsharded_bytes_alive);
 }
 
-void EngineCore::SampleUnshardedGradBytes() {
+int64_t EngineCore::SampleUnshardedGradBytes() {
   int64_t bytes = 0;
   for (const auto& unit : units) {
     if (unit == nullptr) continue;
@@ -78,6 +82,17 @@ void EngineCore::SampleUnshardedGradBytes() {
     }
   }
   peak_unsharded_grad_bytes = std::max(peak_unsharded_grad_bytes, bytes);
+  return bytes;
+}
+
+void EngineCore::SampleTransientBytes() {
+  const int64_t grads = SampleUnshardedGradBytes();
+  const int64_t total = unsharded_bytes_alive + grads + buffers.bytes();
+  if (total <= peak_transient_bytes) return;
+  peak_transient_bytes = total;
+  peak_transient_param_bytes = unsharded_bytes_alive;
+  peak_transient_grad_bytes = grads;
+  peak_transient_comm_bytes = buffers.bytes();
 }
 
 void EngineCore::FinishPendingReductions() {
@@ -195,6 +210,7 @@ void UnitGroup::WaitForUnshard() {
   stats_.peak_unsharded_bytes =
       std::max(stats_.peak_unsharded_bytes, stats_.unsharded_bytes_alive);
   AllGatherCopyOut(ag_output_, params());
+  core_->SampleTransientBytes();
   core_->buffers.Release(ag_output_);
   state_ = State::kUnsharded;
 }
@@ -249,8 +265,11 @@ void UnitGroup::PostBackward() {
   // once.
   core_->FinishPendingReductions();
   core_->SampleUnshardedGradBytes();
-  if (core_->requires_grad_sync && !params_.empty()) IssueReduction();
+  // Reshard first: backward through the unit is over, so its unsharded
+  // parameters are not alive next to the gradients and the flat reduction
+  // buffer.
   if (reshard_after_backward || core_->is_last_backward) Reshard();
+  if (core_->requires_grad_sync && !params_.empty()) IssueReduction();
 }
 
 void UnitGroup::IssueReduction() {
@@ -277,6 +296,7 @@ void UnitGroup::IssueReduction() {
   const int64_t chunk = FlatChunkNumel(params());
   rs_input_ = core_->buffers.Acquire(chunk * core_->shard_size(), options);
   ReduceScatterCopyIn(params(), rs_input_);
+  core_->SampleTransientBytes();
   // Parameters that got no gradient (frozen, or unused in this graph — the same
   // on every rank) keep an undefined sharded grad, as in single-process
   // training, so the optimizer skips them.

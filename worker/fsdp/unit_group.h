@@ -35,7 +35,9 @@ class UnitGroup;
 // collective costs a page fault per 4 KiB — as much time as the collective
 // itself — so units hand their buffers back here. At most `limit` idle bytes
 // are kept (FullyShardRoot sets it to one largest unit's flat buffers); live
-// (acquired) and idle bytes are both accounted. Thread-compatible.
+// (acquired) and idle bytes are both accounted. A request no idle buffer fits
+// drops the idle ones first: they would otherwise stay alive next to the new
+// buffer (e.g. root's small buffer next to a block's). Thread-compatible.
 class FlatBufferPool {
  public:
   at::Tensor Acquire(int64_t numel, const at::TensorOptions& options);
@@ -88,8 +90,12 @@ class EngineCore {
   void CheckOk() const;
 
   void AddUnshardedBytes(int64_t delta);
-  // Samples the unsharded gradient bytes of every unit into the peak.
-  void SampleUnshardedGradBytes();
+  // Samples the unsharded gradient bytes of every unit into the peak; returns
+  // them.
+  int64_t SampleUnshardedGradBytes();
+  // Samples unsharded params + unsharded grads + comm buffers alive now into
+  // the simultaneous transient peak (see EngineStats::peak_transient_bytes).
+  void SampleTransientBytes();
   // Waits every issued reduction and accumulates it into the sharded grads.
   void FinishPendingReductions();
   // Queues EndOfBackward on the running autograd graph task, once per backward.
@@ -122,6 +128,10 @@ class EngineCore {
   int64_t unsharded_bytes_alive = 0;
   int64_t peak_unsharded_bytes = 0;
   int64_t peak_unsharded_grad_bytes = 0;
+  int64_t peak_transient_bytes = 0;
+  int64_t peak_transient_param_bytes = 0;
+  int64_t peak_transient_grad_bytes = 0;
+  int64_t peak_transient_comm_bytes = 0;
 };
 
 class UnitGroup {
