@@ -1,12 +1,15 @@
-// The collective-communication interface the sharding engine is written against.
+// The collective-communication interface the sharding engine is written
+// against.
 //
-// Backends: GlooCommunicator (CPU, TCP) and NcclCommunicator (CUDA). The interface is deliberately
-// torch-free — it moves typed flat buffers — so the NCCL backend builds with only the CUDA runtime
-// and NCCL, and the engine adapts at::Tensor to Buffer at its boundary.
+// Backends: GlooCommunicator (CPU, TCP) and NcclCommunicator (CUDA). The
+// interface is deliberately torch-free — it moves typed flat buffers — so the
+// NCCL backend builds with only the CUDA runtime and NCCL, and the engine
+// adapts at::Tensor to Buffer at its boundary.
 //
-// Ordering contract: every rank of a communicator must issue the same collectives in the same order.
-// Calls return immediately with a Work handle; the collective runs on the backend's own thread or
-// stream, in issue order. Buffers must stay alive and untouched until Wait() returns.
+// Ordering contract: every rank of a communicator must issue the same
+// collectives in the same order. Calls return immediately with a Work handle;
+// the collective runs on the backend's own thread or stream, in issue order.
+// Buffers must stay alive and untouched until Wait() returns.
 #ifndef HSDP_WORKER_COMM_COMMUNICATOR_H_
 #define HSDP_WORKER_COMM_COMMUNICATOR_H_
 
@@ -20,7 +23,15 @@
 
 namespace hsdp::comm {
 
-enum class DataType { kFloat32, kFloat64, kBFloat16, kFloat16, kInt32, kInt64, kUInt8 };
+enum class DataType {
+  kFloat32,
+  kFloat64,
+  kBFloat16,
+  kFloat16,
+  kInt32,
+  kInt64,
+  kUInt8
+};
 
 // Size in bytes of one element of `dtype`.
 size_t ElementSize(DataType dtype);
@@ -28,32 +39,38 @@ const char* DataTypeName(DataType dtype);
 
 enum class ReduceOp { kSum, kAvg };
 
-// A flat, contiguous buffer of `count` elements. Host memory for Gloo, device memory for NCCL.
+// A flat, contiguous buffer of `count` elements. Host memory for Gloo, device
+// memory for NCCL.
 struct Buffer {
   void* data = nullptr;
   int64_t count = 0;
   DataType dtype = DataType::kFloat32;
 
-  size_t bytes() const { return static_cast<size_t>(count) * ElementSize(dtype); }
+  size_t bytes() const {
+    return static_cast<size_t>(count) * ElementSize(dtype);
+  }
 };
 
-// A handle on one issued collective. Thread-compatible: one thread waits on a given Work.
+// A handle on one issued collective. Thread-compatible: one thread waits on a
+// given Work.
 class Work {
  public:
   virtual ~Work() = default;
-  // Blocks until the collective finished (on CPU) or is ordered before the caller's current
-  // compute stream (on CUDA). Returns the backend's error, naming the collective and the peer when
-  // known, e.g. DEADLINE_EXCEEDED when a peer never arrived.
+  // Blocks until the collective finished (on CPU) or is ordered before the
+  // caller's current compute stream (on CUDA). Returns the backend's error,
+  // naming the collective and the peer when known, e.g. DEADLINE_EXCEEDED when
+  // a peer never arrived.
   virtual absl::Status Wait() = 0;
   // True once Wait() would not block.
   virtual bool IsCompleted() = 0;
-  // Seconds the collective itself took (from start on the comm thread/stream to completion);
-  // valid after Wait() returned OK.
+  // Seconds the collective itself took (from start on the comm thread/stream to
+  // completion); valid after Wait() returned OK.
   virtual double ElapsedSeconds() const = 0;
 };
 
-// A group of `size()` ranks. Thread-safety: calls may come from any thread but must be serialised
-// by the caller in the same order on every rank (the engine issues from the training thread only).
+// A group of `size()` ranks. Thread-safety: calls may come from any thread but
+// must be serialised by the caller in the same order on every rank (the engine
+// issues from the training thread only).
 class Communicator {
  public:
   virtual ~Communicator() = default;
@@ -63,13 +80,17 @@ class Communicator {
   // Short backend/group description for errors and logs, e.g. "gloo:shard".
   virtual std::string name() const = 0;
 
-  // output.count == input.count * size(); rank r's input lands at output[r * input.count].
-  virtual std::unique_ptr<Work> AllGather(const Buffer& input, const Buffer& output) = 0;
-  // input.count == output.count * size(); output = op over ranks of input[rank * output.count].
-  // Reduction happens in the buffers' dtype (both must match).
-  virtual std::unique_ptr<Work> ReduceScatter(const Buffer& input, const Buffer& output,
+  // output.count == input.count * size(); rank r's input lands at output[r *
+  // input.count].
+  virtual std::unique_ptr<Work> AllGather(const Buffer& input,
+                                          const Buffer& output) = 0;
+  // input.count == output.count * size(); output = op over ranks of input[rank
+  // * output.count]. Reduction happens in the buffers' dtype (both must match).
+  virtual std::unique_ptr<Work> ReduceScatter(const Buffer& input,
+                                              const Buffer& output,
                                               ReduceOp op) = 0;
-  virtual std::unique_ptr<Work> AllReduce(const Buffer& buffer, ReduceOp op) = 0;
+  virtual std::unique_ptr<Work> AllReduce(const Buffer& buffer,
+                                          ReduceOp op) = 0;
   virtual std::unique_ptr<Work> Broadcast(const Buffer& buffer, int root) = 0;
   virtual std::unique_ptr<Work> Barrier() = 0;
 };
