@@ -1,5 +1,6 @@
 #include "worker/train/trainer.h"
 
+#include <dlfcn.h>
 #include <glog/logging.h>
 #include <torch/cuda.h>
 #include <torch/nn/module.h>
@@ -106,10 +107,28 @@ struct ModelSetup {
   std::unique_ptr<TextDataset> data;
 };
 
+// OpenBLAS (the pthread build Debian's libtorch uses for CPU matmuls) keeps its
+// own thread pool, one thread per core by default, which at::set_num_threads
+// does not touch: with several single-threaded workers on one machine the extra
+// BLAS threads contend for the cores and yield-spin while idle. Looked up at
+// run time so other BLAS builds (no such symbol) are left alone. OpenBLAS
+// splits a GEMM across threads by output rows and columns only, so every
+// element sums in the same order and the results are bitwise the same.
+void SetBlasThreads(int threads) {
+  using SetNumThreadsFn = void (*)(int);
+  if (auto* set_num_threads = reinterpret_cast<SetNumThreadsFn>(
+          dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) {
+    set_num_threads(threads);
+  }
+}
+
 // Threads, model and data from the options shared by the worker and the
 // reference.
 absl::StatusOr<ModelSetup> BuildModel(const TrainingOptions& run) {
-  if (run.threads > 0) at::set_num_threads(run.threads);
+  if (run.threads > 0) {
+    at::set_num_threads(run.threads);
+    SetBlasThreads(run.threads);
+  }
   ModelSetup setup;
   HSDP_ASSIGN_OR_RETURN(setup.config,
                         models::ResolveGptConfig(run.model, run.dims));
