@@ -103,6 +103,9 @@ def main():
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--port", type=int, default=29517)
     args = p.parse_args()
+    # torch.set_num_threads does not reach OpenBLAS's own pthread pool (one thread
+    # per core by default); the spawned ranks read this when they load it.
+    os.environ["OPENBLAS_NUM_THREADS"] = str(args.threads)
     with mp.Manager() as manager:
         results = manager.dict()
         mp.spawn(run, args=(args, args.port, results), nprocs=args.world, join=True)
