@@ -10,7 +10,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-STEPS="${HSDP_DEMO_STEPS:-1200}"
+STEPS="${HSDP_DEMO_STEPS:-2400}"
 MICROBATCH_SIZE="${HSDP_DEMO_MICROBATCH_SIZE:-8}"
 BUILD_DIR="${HSDP_BUILD_DIR:-build}"
 
