@@ -1,6 +1,42 @@
 #include "worker/comm/communicator.h"
 
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
 namespace hsdp::comm {
+namespace {
+
+// A Work that finished before it was returned (argument errors, unsupported
+// calls).
+class CompletedWork final : public Work {
+ public:
+  explicit CompletedWork(absl::Status status) : status_(std::move(status)) {}
+  absl::Status Wait() override { return status_; }
+  bool IsCompleted() override { return true; }
+  double ElapsedSeconds() const override { return 0; }
+
+ private:
+  const absl::Status status_;
+};
+
+std::unique_ptr<Work> Unsupported(const Communicator& comm, const char* what) {
+  return std::make_unique<CompletedWork>(absl::UnimplementedError(
+      absl::StrCat(what, " is not supported by ", comm.name())));
+}
+
+}  // namespace
+
+std::unique_ptr<Work> Communicator::AllGatherSegments(
+    const std::vector<Buffer>&, const std::vector<std::vector<Buffer>>&) {
+  return Unsupported(*this, "AllGatherSegments");
+}
+
+std::unique_ptr<Work> Communicator::ReduceScatterSegments(
+    const std::vector<std::vector<Buffer>>&, const std::vector<Buffer>&,
+    const Buffer&, ReduceOp) {
+  return Unsupported(*this, "ReduceScatterSegments");
+}
 
 size_t ElementSize(DataType dtype) {
   switch (dtype) {

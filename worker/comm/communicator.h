@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
@@ -91,6 +92,26 @@ class Communicator {
                                               ReduceOp op) = 0;
   virtual std::unique_ptr<Work> AllReduce(const Buffer& buffer,
                                           ReduceOp op) = 0;
+
+  // Segment-addressed variants, for callers whose data lives in many separate
+  // tensors (a unit's parameters and gradients): a backend that can address
+  // each piece moves them with no flat staging copy. Only called when
+  // SupportsSegments(); the defaults return UNIMPLEMENTED.
+  virtual bool SupportsSegments() const { return false; }
+  // inputs: this rank's segments; outputs[r][k] receives rank r's inputs[k]
+  // (outputs.size() == size(); every rank passes the same counts and dtypes).
+  // outputs[rank()][k] may be inputs[k] itself (then nothing is copied).
+  virtual std::unique_ptr<Work> AllGatherSegments(
+      const std::vector<Buffer>& inputs,
+      const std::vector<std::vector<Buffer>>& outputs);
+  // inputs[r]: this rank's contribution to rank r's segments (inputs[r][k] has
+  // rank r's outputs[k].count elements). outputs[k] = op over ranks, in rank
+  // order, of their inputs[rank()][k] — the same sum, bit for bit, as
+  // ReduceScatter of the concatenated segments. `scratch` receives the peers'
+  // contributions: at least (size() - 1) x the total output count elements.
+  virtual std::unique_ptr<Work> ReduceScatterSegments(
+      const std::vector<std::vector<Buffer>>& inputs,
+      const std::vector<Buffer>& outputs, const Buffer& scratch, ReduceOp op);
   virtual std::unique_ptr<Work> Broadcast(const Buffer& buffer, int root) = 0;
   virtual std::unique_ptr<Work> Barrier() = 0;
 };

@@ -1,5 +1,6 @@
 #include "worker/comm/gloo_communicator.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <deque>
@@ -21,11 +22,17 @@
 #include "gloo/transport/address.h"
 #include "gloo/transport/pair.h"
 #include "gloo/transport/tcp/device.h"
+#include "gloo/transport/unbound_buffer.h"
+#include "gloo/types.h"
 #include "worker/comm/gloo_store.h"
 #include "worker/comm/reduce_kernels.h"
 
 namespace hsdp::comm {
 namespace {
+
+// Slot prefix of the segment collectives' point-to-point messages; Gloo's own
+// algorithms use other prefixes, and the tag (issue counter) separates calls.
+constexpr uint8_t kSegmentSlotPrefix = 0x5e;
 
 // Gloo's tcp transport says this when a send/recv did not complete within the
 // timeout.
@@ -103,6 +110,42 @@ absl::Status CheckPartAndWhole(const std::string& where, const Buffer& part,
       "dtype (per-rank ",
       part.count, " ", DataTypeName(part.dtype), ", full ", whole.count, " ",
       DataTypeName(whole.dtype), ")"));
+}
+
+int64_t TotalCount(const std::vector<Buffer>& segments) {
+  int64_t total = 0;
+  for (const Buffer& b : segments) total += b.count;
+  return total;
+}
+
+absl::Status CheckSegmentLists(const std::string& where,
+                               const std::vector<Buffer>& reference,
+                               const std::vector<std::vector<Buffer>>& lists,
+                               int size, bool same_counts) {
+  if (lists.size() != static_cast<size_t>(size)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": needs one segment list per rank (", size,
+                     "), got ", lists.size()));
+  }
+  for (size_t r = 0; r < lists.size(); ++r) {
+    if (lists[r].size() != reference.size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": rank ", r, "'s list has ", lists[r].size(),
+                       " segments, expected ", reference.size()));
+    }
+    for (size_t k = 0; k < reference.size(); ++k) {
+      const Buffer& b = lists[r][k];
+      if (b.dtype != reference[k].dtype || b.count < 0 ||
+          (same_counts && b.count != reference[k].count) ||
+          (b.count > 0 && b.data == nullptr)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            where, ": segment ", k, " for rank ", r, " (", b.count, " ",
+            DataTypeName(b.dtype), ") does not match (", reference[k].count,
+            " ", DataTypeName(reference[k].dtype), ")"));
+      }
+    }
+  }
+  return absl::OkStatus();
 }
 
 // Completion state shared by the executing thread (producer) and the Work
@@ -208,7 +251,90 @@ struct GlooCommunicator::Core {
   // calls to avoid a large allocation per call.
   absl::Status broken;
   std::vector<char> scratch;
+  // Unbound buffers of a failed segment collective: Gloo may still hold
+  // pointers to them, so they live as long as the (broken) communicator.
+  std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>> orphans;
 };
+
+namespace {
+
+// The point-to-point messages of one segment collective. Waits with one
+// deadline for the whole call; on an exception (timeout, lost peer) the
+// buffers are handed to the communicator instead of being freed under Gloo.
+class PointToPoint {
+ public:
+  PointToPoint(
+      gloo::Context& context, uint32_t tag,
+      std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>>& orphans,
+      absl::Duration timeout)
+      : context_(context),
+        slot_(gloo::Slot::build(kSegmentSlotPrefix, tag)),
+        orphans_(orphans),
+        deadline_(std::chrono::steady_clock::now() + ToChrono(timeout)) {}
+  PointToPoint(const PointToPoint&) = delete;
+  PointToPoint& operator=(const PointToPoint&) = delete;
+  ~PointToPoint() {
+    if (!finished_) {
+      for (auto& b : buffers_) orphans_.push_back(std::move(b.buffer));
+    }
+  }
+
+  // Messages between one pair on one slot are matched in posting order.
+  void Send(void* data, size_t bytes, const std::vector<int>& peers) {
+    if (bytes == 0 || peers.empty()) return;
+    Entry& e = Add(data, bytes);
+    for (int p : peers) e.buffer->send(p, slot_, 0, bytes);
+    e.sends += static_cast<int>(peers.size());
+  }
+  // Receives `bytes` from `peer` at `offset` of the region (data,
+  // region_bytes); consecutive receives into the same region share one buffer.
+  void Recv(void* data, size_t region_bytes, size_t offset, size_t bytes,
+            int peer) {
+    if (bytes == 0) return;
+    if (buffers_.empty() || buffers_.back().buffer->ptr != data ||
+        buffers_.back().buffer->size != region_bytes) {
+      Add(data, region_bytes);
+    }
+    Entry& e = buffers_.back();
+    e.buffer->recv(peer, slot_, offset, bytes);
+    ++e.recvs;
+  }
+  void WaitAll() {
+    for (Entry& e : buffers_) {
+      for (; e.recvs > 0; --e.recvs) e.buffer->waitRecv(Remaining());
+    }
+    for (Entry& e : buffers_) {
+      for (; e.sends > 0; --e.sends) e.buffer->waitSend(Remaining());
+    }
+    finished_ = true;
+  }
+
+ private:
+  struct Entry {
+    std::unique_ptr<gloo::transport::UnboundBuffer> buffer;
+    int sends = 0;
+    int recvs = 0;
+  };
+  Entry& Add(void* data, size_t bytes) {
+    buffers_.push_back(Entry{context_.createUnboundBuffer(data, bytes)});
+    return buffers_.back();
+  }
+  // At least 1 ms: Gloo reads -1 ms as "the context default".
+  std::chrono::milliseconds Remaining() const {
+    return std::max(std::chrono::milliseconds(1),
+                    std::chrono::duration_cast<std::chrono::milliseconds>(
+                        deadline_ - std::chrono::steady_clock::now()));
+  }
+
+  gloo::Context& context_;
+  const uint64_t slot_;
+  std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>>& orphans_;
+  const std::chrono::steady_clock::time_point deadline_;
+  std::deque<Entry> buffers_;  // stable addresses while adding
+  bool finished_ = false;
+};
+
+}  // namespace
 
 // Thread-compatible handle (one waiter), see Work.
 class GlooCommunicator::GlooWork final : public Work {
@@ -501,6 +627,110 @@ std::unique_ptr<Work> GlooCommunicator::ReduceScatter(const Buffer& input,
         opts.setTag(tag);
         gloo::alltoall(opts);
         ReduceChunks(core.scratch.data(), core.size, count, dtype, op, out);
+      });
+}
+
+std::unique_ptr<Work> GlooCommunicator::AllGatherSegments(
+    const std::vector<Buffer>& inputs,
+    const std::vector<std::vector<Buffer>>& outputs) {
+  const std::string where = Describe("AllGatherSegments");
+  if (absl::Status status = CheckSegmentLists(where, inputs, outputs, size_,
+                                              /*same_counts=*/true);
+      !status.ok()) {
+    return Failed(std::move(status));
+  }
+  int64_t bytes = 0;
+  for (const Buffer& b : inputs) bytes += static_cast<int64_t>(b.bytes());
+  return Enqueue(absl::StrCat("AllGatherSegments(", inputs.size(),
+                              " segments, ", bytes, " B/rank)"),
+                 [inputs, outputs](Core& core, uint32_t tag) {
+                   std::vector<int> peers;
+                   for (int p = 0; p < core.size; ++p) {
+                     if (p != core.rank) peers.push_back(p);
+                   }
+                   PointToPoint messages(*core.context, tag, core.orphans,
+                                         core.timeout);
+                   for (size_t k = 0; k < inputs.size(); ++k) {
+                     messages.Send(inputs[k].data, inputs[k].bytes(), peers);
+                   }
+                   for (int p : peers) {
+                     for (const Buffer& out : outputs[p]) {
+                       messages.Recv(out.data, out.bytes(), 0, out.bytes(), p);
+                     }
+                   }
+                   // Our own segments while the peers' arrive.
+                   for (size_t k = 0; k < inputs.size(); ++k) {
+                     const Buffer& own = outputs[core.rank][k];
+                     if (own.data != inputs[k].data && own.count > 0)
+                       std::memcpy(own.data, inputs[k].data, own.bytes());
+                   }
+                   messages.WaitAll();
+                 });
+}
+
+std::unique_ptr<Work> GlooCommunicator::ReduceScatterSegments(
+    const std::vector<std::vector<Buffer>>& inputs,
+    const std::vector<Buffer>& outputs, const Buffer& scratch, ReduceOp op) {
+  const std::string where = Describe("ReduceScatterSegments");
+  if (absl::Status status = CheckSegmentLists(where, outputs, inputs, size_,
+                                              /*same_counts=*/false);
+      !status.ok()) {
+    return Failed(std::move(status));
+  }
+  const int64_t total = TotalCount(outputs);
+  for (size_t k = 0; k < outputs.size(); ++k) {
+    if (inputs[rank_][k].count != outputs[k].count) {
+      return Failed(absl::InvalidArgumentError(absl::StrCat(
+          where, ": this rank's input segment ", k, " has ",
+          inputs[rank_][k].count, " elements, its output ", outputs[k].count)));
+    }
+  }
+  const DataType dtype = outputs.empty() ? scratch.dtype : outputs[0].dtype;
+  if (scratch.dtype != dtype || scratch.count < total * (size_ - 1)) {
+    return Failed(absl::InvalidArgumentError(
+        absl::StrCat(where, ": scratch holds ", scratch.count, " ",
+                     DataTypeName(scratch.dtype), ", needs ",
+                     total * (size_ - 1), " ", DataTypeName(dtype))));
+  }
+  return Enqueue(
+      absl::StrCat("ReduceScatterSegments(", outputs.size(), " segments, ",
+                   total * static_cast<int64_t>(ElementSize(dtype)),
+                   " B/rank, ", DataTypeName(dtype), ")"),
+      [inputs, outputs, scratch, total, dtype, op](Core& core, uint32_t tag) {
+        const size_t element = ElementSize(dtype);
+        const size_t scratch_bytes =
+            static_cast<size_t>(total) * element * (core.size - 1);
+        char* base = static_cast<char*>(scratch.data);
+        // Peer p's contributions land packed in slot j of scratch (j counts
+        // the peers in rank order).
+        auto slot_of = [&core](int p) { return p < core.rank ? p : p - 1; };
+        PointToPoint messages(*core.context, tag, core.orphans, core.timeout);
+        for (int p = 0; p < core.size; ++p) {
+          if (p == core.rank) continue;
+          for (const Buffer& in : inputs[p]) {
+            messages.Send(in.data, in.bytes(), {p});
+          }
+          size_t offset = static_cast<size_t>(slot_of(p)) * total * element;
+          for (const Buffer& out : outputs) {
+            messages.Recv(base, scratch_bytes, offset, out.bytes(), p);
+            offset += out.bytes();
+          }
+        }
+        messages.WaitAll();
+        std::vector<const void*> terms(static_cast<size_t>(core.size));
+        size_t offset = 0;
+        for (size_t k = 0; k < outputs.size(); ++k) {
+          for (int r = 0; r < core.size; ++r) {
+            terms[r] =
+                r == core.rank
+                    ? inputs[r][k].data
+                    : base + static_cast<size_t>(slot_of(r)) * total * element +
+                          offset;
+          }
+          ReduceBuffers(terms.data(), core.size, outputs[k].count, dtype, op,
+                        outputs[k].data);
+          offset += outputs[k].bytes();
+        }
       });
 }
 

@@ -102,6 +102,17 @@ class GlooCommunicator final : public Communicator {
   std::unique_ptr<Work> ReduceScatter(const Buffer& input, const Buffer& output,
                                       ReduceOp op) override;
   std::unique_ptr<Work> AllReduce(const Buffer& buffer, ReduceOp op) override;
+  // Segments travel as point-to-point messages over Gloo's unbound buffers,
+  // straight from and into the caller's memory (every rank sends its segments
+  // to every peer: the bytes of a ring, no staging copy).
+  bool SupportsSegments() const override { return true; }
+  std::unique_ptr<Work> AllGatherSegments(
+      const std::vector<Buffer>& inputs,
+      const std::vector<std::vector<Buffer>>& outputs) override;
+  std::unique_ptr<Work> ReduceScatterSegments(
+      const std::vector<std::vector<Buffer>>& inputs,
+      const std::vector<Buffer>& outputs, const Buffer& scratch,
+      ReduceOp op) override;
   std::unique_ptr<Work> Broadcast(const Buffer& buffer, int root) override;
   std::unique_ptr<Work> Barrier() override;
 

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 namespace hsdp::comm {
 namespace {
@@ -24,31 +25,35 @@ float BitsToFloat(uint32_t bits) {
 }
 
 template <typename T>
-void ReduceNative(const T* chunks, int num_chunks, int64_t count, ReduceOp op,
-                  T* out) {
-  if (out != chunks)
-    std::memmove(out, chunks, static_cast<size_t>(count) * sizeof(T));
-  for (int k = 1; k < num_chunks; ++k) {
-    const T* chunk = chunks + k * count;
-    for (int64_t i = 0; i < count; ++i) out[i] += chunk[i];
+void ReduceNative(const void* const* inputs, int num_inputs, int64_t count,
+                  ReduceOp op, T* out) {
+  const T* first = static_cast<const T*>(inputs[0]);
+  if (out != first)
+    std::memmove(out, first, static_cast<size_t>(count) * sizeof(T));
+  for (int k = 1; k < num_inputs; ++k) {
+    const T* in = static_cast<const T*>(inputs[k]);
+    for (int64_t i = 0; i < count; ++i) out[i] += in[i];
   }
   if (op == ReduceOp::kAvg) {
-    const T divisor = static_cast<T>(num_chunks);
+    const T divisor = static_cast<T>(num_inputs);
     for (int64_t i = 0; i < count; ++i) out[i] /= divisor;
   }
 }
 
 template <float (*ToFloat)(uint16_t), uint16_t (*FromFloat)(float)>
-void ReduceHalf(const uint16_t* chunks, int num_chunks, int64_t count,
+void ReduceHalf(const void* const* inputs, int num_inputs, int64_t count,
                 ReduceOp op, uint16_t* out) {
   float acc[kTileElements];
-  const float divisor = static_cast<float>(num_chunks);
+  const float divisor = static_cast<float>(num_inputs);
   for (int64_t begin = 0; begin < count; begin += kTileElements) {
     const int64_t n = std::min(kTileElements, count - begin);
-    for (int64_t i = 0; i < n; ++i) acc[i] = ToFloat(chunks[begin + i]);
-    for (int k = 1; k < num_chunks; ++k) {
-      const uint16_t* chunk = chunks + k * count + begin;
-      for (int64_t i = 0; i < n; ++i) acc[i] += ToFloat(chunk[i]);
+    for (int k = 0; k < num_inputs; ++k) {
+      const uint16_t* in = static_cast<const uint16_t*>(inputs[k]) + begin;
+      if (k == 0) {
+        for (int64_t i = 0; i < n; ++i) acc[i] = ToFloat(in[i]);
+      } else {
+        for (int64_t i = 0; i < n; ++i) acc[i] += ToFloat(in[i]);
+      }
     }
     if (op == ReduceOp::kAvg) {
       for (int64_t i = 0; i < n; ++i) acc[i] /= divisor;
@@ -145,33 +150,41 @@ uint16_t FloatToHalf(float value) {
   return static_cast<uint16_t>(half);
 }
 
-void ReduceChunks(const void* chunks, int num_chunks, int64_t count,
-                  DataType dtype, ReduceOp op, void* out) {
+void ReduceBuffers(const void* const* inputs, int num_inputs, int64_t count,
+                   DataType dtype, ReduceOp op, void* out) {
+  if (num_inputs < 1 || count <= 0) return;
   switch (dtype) {
     case DataType::kFloat32:
-      return ReduceNative(static_cast<const float*>(chunks), num_chunks, count,
-                          op, static_cast<float*>(out));
+      return ReduceNative(inputs, num_inputs, count, op,
+                          static_cast<float*>(out));
     case DataType::kFloat64:
-      return ReduceNative(static_cast<const double*>(chunks), num_chunks, count,
-                          op, static_cast<double*>(out));
+      return ReduceNative(inputs, num_inputs, count, op,
+                          static_cast<double*>(out));
     case DataType::kInt32:
-      return ReduceNative(static_cast<const int32_t*>(chunks), num_chunks,
-                          count, op, static_cast<int32_t*>(out));
+      return ReduceNative(inputs, num_inputs, count, op,
+                          static_cast<int32_t*>(out));
     case DataType::kInt64:
-      return ReduceNative(static_cast<const int64_t*>(chunks), num_chunks,
-                          count, op, static_cast<int64_t*>(out));
+      return ReduceNative(inputs, num_inputs, count, op,
+                          static_cast<int64_t*>(out));
     case DataType::kUInt8:
-      return ReduceNative(static_cast<const uint8_t*>(chunks), num_chunks,
-                          count, op, static_cast<uint8_t*>(out));
+      return ReduceNative(inputs, num_inputs, count, op,
+                          static_cast<uint8_t*>(out));
     case DataType::kBFloat16:
       return ReduceHalf<BFloat16ToFloat, FloatToBFloat16>(
-          static_cast<const uint16_t*>(chunks), num_chunks, count, op,
-          static_cast<uint16_t*>(out));
+          inputs, num_inputs, count, op, static_cast<uint16_t*>(out));
     case DataType::kFloat16:
-      return ReduceHalf<HalfToFloat, FloatToHalf>(
-          static_cast<const uint16_t*>(chunks), num_chunks, count, op,
-          static_cast<uint16_t*>(out));
+      return ReduceHalf<HalfToFloat, FloatToHalf>(inputs, num_inputs, count, op,
+                                                  static_cast<uint16_t*>(out));
   }
+}
+
+void ReduceChunks(const void* chunks, int num_chunks, int64_t count,
+                  DataType dtype, ReduceOp op, void* out) {
+  std::vector<const void*> inputs(static_cast<size_t>(num_chunks));
+  const size_t chunk_bytes = static_cast<size_t>(count) * ElementSize(dtype);
+  for (int k = 0; k < num_chunks; ++k)
+    inputs[k] = static_cast<const char*>(chunks) + k * chunk_bytes;
+  ReduceBuffers(inputs.data(), num_chunks, count, dtype, op, out);
 }
 
 void AddBuffers(DataType dtype, void* out, const void* a, const void* b,

@@ -23,6 +23,11 @@ uint16_t FloatToHalf(float value);
 // chunk 0 but must not overlap the other chunks.
 void ReduceChunks(const void* chunks, int num_chunks, int64_t count,
                   DataType dtype, ReduceOp op, void* out);
+// The same over `num_inputs` separate buffers of `count` elements each:
+// out = inputs[0] + inputs[1] + ... (left to right, same rounding as
+// ReduceChunks). `out` may be inputs[0] but must not overlap the others.
+void ReduceBuffers(const void* const* inputs, int num_inputs, int64_t count,
+                   DataType dtype, ReduceOp op, void* out);
 
 // out[i] = a[i] + b[i] in `dtype` (the elementwise function Gloo's allreduce
 // calls).

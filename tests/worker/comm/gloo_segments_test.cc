@@ -1,0 +1,261 @@
+// The segment-addressed collectives of GlooCommunicator (what the engine uses
+// to gather straight into parameter storage and reduce straight from
+// gradients): results equal the flat collectives on the concatenated layout,
+// bit for bit; bad arguments and silent peers fail with a clear error.
+#include <cmath>
+#include <random>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "gtest/gtest.h"
+#include "tests/worker/comm/comm_test_util.h"
+#include "worker/comm/gloo_communicator.h"
+#include "worker/comm/in_memory_store.h"
+#include "worker/comm/reduce_kernels.h"
+
+namespace hsdp::comm {
+namespace {
+
+using ::hsdp::comm::testing::MakeGroup;
+using ::hsdp::comm::testing::RunOnRanks;
+using ::hsdp::comm::testing::TypedBuffer;
+
+constexpr absl::Duration kTimeout = absl::Seconds(20);
+constexpr absl::Duration kShortTimeout = absl::Seconds(1);
+constexpr absl::Duration kSlack = absl::Seconds(3);
+
+// Segment sizes of a unit-like layout: uneven, one empty (a parameter whose
+// rows all fall in other ranks' padding).
+const std::vector<int64_t> kSegmentCounts = {5, 0, 17, 1, 64};
+
+// Rank r's count of segment k when every segment is "padded" like a dim-0
+// shard: the last rank holds 2 elements fewer of the segments that have them.
+int64_t RankCount(int64_t k, int rank, int world) {
+  const int64_t n = kSegmentCounts[k];
+  return rank == world - 1 && n > 2 ? n - 2 : n;
+}
+
+// Non-integer values, so sums round: the check is bit for bit.
+double Value(int rank, int64_t k, int64_t i) {
+  std::mt19937 gen(static_cast<uint32_t>(rank * 1000003 + k * 7919 + i));
+  return std::uniform_real_distribution<double>(-2.0, 2.0)(gen);
+}
+
+class SegmentsTest
+    : public ::testing::TestWithParam<std::tuple<int, DataType>> {};
+
+TEST_P(SegmentsTest, AllGatherMatchesFlatAllGather) {
+  const auto [world, dtype] = GetParam();
+  InMemoryStore store;
+  auto comms = MakeGroup(store, "ag-segments", world, kTimeout);
+  ASSERT_EQ(comms.size(), static_cast<size_t>(world));
+  RunOnRanks(world, [&](int rank) {
+    GlooCommunicator& comm = *comms[rank];
+    ASSERT_TRUE(comm.SupportsSegments());
+    int64_t chunk = 0;
+    for (int64_t n : kSegmentCounts) chunk += n;
+    // Segments of this rank's chunk, and a separate region per (rank, segment)
+    // to receive into; our own output segment 2 aliases our input (in place).
+    TypedBuffer mine(dtype, chunk), flat_out(dtype, chunk * world);
+    std::vector<TypedBuffer> regions;
+    for (int r = 0; r < world; ++r) {
+      for (int64_t n : kSegmentCounts) regions.emplace_back(dtype, n);
+    }
+    std::vector<Buffer> inputs;
+    std::vector<std::vector<Buffer>> outputs(world);
+    int64_t offset = 0;
+    for (size_t k = 0; k < kSegmentCounts.size(); ++k) {
+      for (int64_t i = 0; i < kSegmentCounts[k]; ++i)
+        mine.Set(offset + i, Value(rank, k, i));
+      inputs.push_back(mine.slice(offset, kSegmentCounts[k]));
+      offset += kSegmentCounts[k];
+    }
+    for (int r = 0; r < world; ++r) {
+      for (size_t k = 0; k < kSegmentCounts.size(); ++k) {
+        outputs[r].push_back(regions[r * kSegmentCounts.size() + k].buffer());
+      }
+    }
+    outputs[rank][2] = inputs[2];
+    ASSERT_TRUE(comm.AllGatherSegments(inputs, outputs)->Wait().ok());
+    ASSERT_TRUE(comm.AllGather(mine.buffer(), flat_out.buffer())->Wait().ok());
+    for (int r = 0; r < world; ++r) {
+      int64_t at = r * chunk;
+      for (size_t k = 0; k < kSegmentCounts.size(); ++k) {
+        const bool aliased = r == rank && k == 2;
+        const TypedBuffer& got = regions[r * kSegmentCounts.size() + k];
+        for (int64_t i = 0; i < kSegmentCounts[k]; ++i) {
+          const double expected = flat_out.Get(at + i);
+          ASSERT_EQ(aliased ? mine.Get(at - r * chunk + i) : got.Get(i),
+                    expected)
+              << "rank " << r << " segment " << k << " elem " << i;
+        }
+        at += kSegmentCounts[k];
+      }
+    }
+  });
+}
+
+TEST_P(SegmentsTest, ReduceScatterMatchesRankOrderSum) {
+  const auto [world, dtype] = GetParam();
+  InMemoryStore store;
+  auto comms = MakeGroup(store, "rs-segments", world, kTimeout);
+  ASSERT_EQ(comms.size(), static_cast<size_t>(world));
+  RunOnRanks(world, [&](int rank) {
+    GlooCommunicator& comm = *comms[rank];
+    for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg}) {
+      // inputs[r][k]: this rank's contribution to rank r's segment k.
+      std::vector<TypedBuffer> contributions;
+      std::vector<std::vector<Buffer>> inputs(world);
+      for (int r = 0; r < world; ++r) {
+        for (size_t k = 0; k < kSegmentCounts.size(); ++k) {
+          TypedBuffer& t = contributions.emplace_back(
+              dtype, RankCount(static_cast<int64_t>(k), r, world));
+          for (int64_t i = 0; i < t.count(); ++i)
+            t.Set(i, Value(rank, r * 100 + k, i));
+        }
+      }
+      for (int r = 0; r < world; ++r) {
+        for (size_t k = 0; k < kSegmentCounts.size(); ++k) {
+          inputs[r].push_back(
+              contributions[r * kSegmentCounts.size() + k].buffer());
+        }
+      }
+      std::vector<TypedBuffer> results;
+      std::vector<Buffer> outputs;
+      int64_t total = 0;
+      for (size_t k = 0; k < kSegmentCounts.size(); ++k) {
+        results.emplace_back(dtype,
+                             RankCount(static_cast<int64_t>(k), rank, world));
+        total += results.back().count();
+      }
+      for (TypedBuffer& t : results) outputs.push_back(t.buffer());
+      TypedBuffer scratch(dtype, total * (world - 1));
+      ASSERT_TRUE(
+          comm.ReduceScatterSegments(inputs, outputs, scratch.buffer(), op)
+              ->Wait()
+              .ok());
+      // Reference: the kernel behind the flat ReduceScatter, over every
+      // rank's contribution to us (recomputed here from Value) in rank order.
+      for (size_t k = 0; k < kSegmentCounts.size(); ++k) {
+        const int64_t n = results[k].count();
+        TypedBuffer all(dtype, n * world), expected(dtype, n);
+        for (int r = 0; r < world; ++r) {
+          for (int64_t i = 0; i < n; ++i)
+            all.Set(r * n + i, Value(r, rank * 100 + k, i));
+        }
+        ReduceChunks(all.buffer().data, world, n, dtype, op,
+                     expected.buffer().data);
+        for (int64_t i = 0; i < n; ++i) {
+          ASSERT_EQ(results[k].Get(i), expected.Get(i))
+              << "segment " << k << " elem " << i;
+        }
+      }
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Worlds, SegmentsTest,
+    ::testing::Combine(::testing::Values(1, 2, 3, 4),
+                       ::testing::Values(DataType::kFloat32,
+                                         DataType::kBFloat16)),
+    [](const ::testing::TestParamInfo<SegmentsTest::ParamType>& info) {
+      return absl::StrCat("world", std::get<0>(info.param), "_",
+                          DataTypeName(std::get<1>(info.param)));
+    });
+
+TEST(SegmentsTest, BadArgumentsFailWithoutCommunicating) {
+  constexpr int kWorld = 2;
+  InMemoryStore store;
+  auto comms = MakeGroup(store, "segment-args", kWorld, kTimeout);
+  RunOnRanks(kWorld, [&](int rank) {
+    GlooCommunicator& comm = *comms[rank];
+    TypedBuffer a(DataType::kFloat32, 4), b(DataType::kFloat32, 4),
+        c(DataType::kFloat32, 3), h(DataType::kBFloat16, 4);
+    // One list per rank is required.
+    absl::Status status =
+        comm.AllGatherSegments({a.buffer()}, {{b.buffer()}})->Wait();
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+    EXPECT_NE(status.message().find("AllGatherSegments"), std::string::npos)
+        << status;
+    // A receive segment of another size than the input names the segment.
+    status = comm.AllGatherSegments({a.buffer()}, {{b.buffer()}, {c.buffer()}})
+                 ->Wait();
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+    EXPECT_NE(status.message().find("segment 0 for rank 1"), std::string::npos)
+        << status;
+    // Mixed dtypes.
+    status =
+        comm.ReduceScatterSegments({{a.buffer()}, {h.buffer()}}, {b.buffer()},
+                                   c.buffer(), ReduceOp::kSum)
+            ->Wait();
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+    // Scratch too small for the peer's contributions.
+    status =
+        comm.ReduceScatterSegments({{a.buffer()}, {b.buffer()}}, {b.buffer()},
+                                   c.buffer(), ReduceOp::kSum)
+            ->Wait();
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+    EXPECT_NE(status.message().find("scratch"), std::string::npos) << status;
+    // Nothing was sent: the communicator still works, in step on both ranks.
+    EXPECT_TRUE(comm.Barrier()->Wait().ok());
+  });
+}
+
+// A peer that never issues the segment collective: DEADLINE_EXCEEDED within the
+// timeout, naming it; later calls fail fast.
+TEST(SegmentsTest, PeerThatNeverIssuesTimesOut) {
+  constexpr int kWorld = 2;
+  InMemoryStore store;
+  auto comms = MakeGroup(store, "segment-silent", kWorld, kShortTimeout);
+  TypedBuffer in(DataType::kFloat32, 4096), out(DataType::kFloat32, 4096);
+  const absl::Time start = absl::Now();
+  absl::Status status =
+      comms[0]
+          ->AllGatherSegments({in.buffer()}, {{in.buffer()}, {out.buffer()}})
+          ->Wait();
+  EXPECT_LT(absl::Now() - start, kShortTimeout + kSlack);
+  EXPECT_EQ(status.code(), absl::StatusCode::kDeadlineExceeded) << status;
+  EXPECT_NE(status.message().find("AllGatherSegments"), std::string::npos)
+      << status;
+  status = comms[0]->Barrier()->Wait();
+  EXPECT_NE(status.message().find("failed earlier"), std::string::npos)
+      << status;
+}
+
+// The interface's defaults: a backend without segment support says so.
+TEST(SegmentsTest, DefaultIsUnimplemented) {
+  class Minimal final : public Communicator {
+   public:
+    int rank() const override { return 0; }
+    int size() const override { return 1; }
+    std::string name() const override { return "minimal"; }
+    std::unique_ptr<Work> AllGather(const Buffer&, const Buffer&) override {
+      return nullptr;
+    }
+    std::unique_ptr<Work> ReduceScatter(const Buffer&, const Buffer&,
+                                        ReduceOp) override {
+      return nullptr;
+    }
+    std::unique_ptr<Work> AllReduce(const Buffer&, ReduceOp) override {
+      return nullptr;
+    }
+    std::unique_ptr<Work> Broadcast(const Buffer&, int) override {
+      return nullptr;
+    }
+    std::unique_ptr<Work> Barrier() override { return nullptr; }
+  } minimal;
+  EXPECT_FALSE(minimal.SupportsSegments());
+  absl::Status status = minimal.AllGatherSegments({}, {{}})->Wait();
+  EXPECT_EQ(status.code(), absl::StatusCode::kUnimplemented) << status;
+  EXPECT_NE(status.message().find("minimal"), std::string::npos) << status;
+  status =
+      minimal.ReduceScatterSegments({{}}, {}, Buffer{}, ReduceOp::kSum)->Wait();
+  EXPECT_EQ(status.code(), absl::StatusCode::kUnimplemented) << status;
+}
+
+}  // namespace
+}  // namespace hsdp::comm
