@@ -81,6 +81,7 @@ int64_t EngineCore::SampleUnshardedGradBytes() {
         bytes += static_cast<int64_t>(g.numel() * g.element_size());
     }
   }
+  bytes += in_flight_grad_bytes;
   peak_unsharded_grad_bytes = std::max(peak_unsharded_grad_bytes, bytes);
   return bytes;
 }
@@ -114,6 +115,11 @@ void EngineCore::EndOfBackward() {
     if (unit.forwarded && !unit.post_backward_done) unit.PostBackward();
   }
   FinishPendingReductions();
+  // A gather still in flight (prefetched for a unit backward never reached)
+  // reads the shards the optimizer is about to update: complete it.
+  for (auto& unit : units) {
+    if (unit->is_gathering()) unit->WaitForUnshard();
+  }
   ResetPassFlags();
 }
 
@@ -172,6 +178,10 @@ void UnitGroup::Unshard() {
     return;
   }
   core_->CheckOk();
+  if (UseSegments()) {
+    IssueAllGatherSegments();
+    return;
+  }
   const at::TensorOptions options =
       at::TensorOptions().dtype(compute_dtype_).device(core_->options.device);
   // In place: this rank's chunk is copied into its slot of the gathered
@@ -192,6 +202,61 @@ void UnitGroup::Unshard() {
   state_ = State::kGathering;
 }
 
+bool UnitGroup::UseSegments() const {
+  return core_->shard_size() > 1 && core_->mesh.shard->SupportsSegments();
+}
+
+void UnitGroup::IssueAllGatherSegments() {
+  const std::vector<ShardedParam*> ps = params();
+  // The peers' pieces are received straight into the unsharded storage.
+  for (ShardedParam* p : ps) {
+    if (!p->unsharded_allocated()) {
+      p->AllocUnsharded();
+      stats_.unsharded_bytes_alive += p->unsharded_bytes();
+      core_->AddUnshardedBytes(p->unsharded_bytes());
+    }
+  }
+  bool cast = false;
+  for (ShardedParam* p : ps) {
+    cast = cast || p->sharded_padded().scalar_type() != compute_dtype_;
+  }
+  if (cast) {
+    // Mixed precision: the shards go out in the compute dtype.
+    ag_input_ = core_->buffers.Acquire(FlatChunkNumel(ps),
+                                       at::TensorOptions()
+                                           .dtype(compute_dtype_)
+                                           .device(core_->options.device));
+    AllGatherCopyIn(ps, ag_input_);
+  }
+  const int size = core_->shard_size();
+  std::vector<comm::Buffer> inputs;
+  std::vector<std::vector<comm::Buffer>> outputs(static_cast<size_t>(size));
+  int64_t offset = 0;
+  for (ShardedParam* p : ps) {
+    const int64_t n = p->shard_numel();
+    absl::StatusOr<comm::Buffer> in =
+        ToBuffer(cast ? ag_input_.narrow(0, offset, n) : p->sharded_padded());
+    absl::StatusOr<comm::Buffer> out = ToBuffer(p->unsharded_padded());
+    if (!in.ok()) core_->Fail(in.status());
+    if (!out.ok()) core_->Fail(out.status());
+    inputs.push_back(*in);
+    for (int r = 0; r < size; ++r) {
+      comm::Buffer piece = *out;
+      piece.data = static_cast<char*>(out->data) +
+                   r * n * static_cast<int64_t>(comm::ElementSize(out->dtype));
+      piece.count = n;
+      outputs[r].push_back(piece);
+    }
+    offset += n;
+  }
+  ++stats_.all_gathers;
+  stats_.peak_unsharded_bytes =
+      std::max(stats_.peak_unsharded_bytes, stats_.unsharded_bytes_alive);
+  core_->SampleTransientBytes();
+  ag_work_ = core_->mesh.shard->AllGatherSegments(inputs, outputs);
+  state_ = State::kGathering;
+}
+
 void UnitGroup::WaitForUnshard() {
   if (state_ == State::kSharded) Unshard();
   if (state_ != State::kGathering) return;
@@ -209,9 +274,12 @@ void UnitGroup::WaitForUnshard() {
   }
   stats_.peak_unsharded_bytes =
       std::max(stats_.peak_unsharded_bytes, stats_.unsharded_bytes_alive);
-  AllGatherCopyOut(ag_output_, params());
-  core_->SampleTransientBytes();
-  core_->buffers.Release(ag_output_);
+  if (ag_output_.defined()) {  // flat path
+    AllGatherCopyOut(ag_output_, params());
+    core_->SampleTransientBytes();
+    core_->buffers.Release(ag_output_);
+  }
+  core_->buffers.Release(ag_input_);
   state_ = State::kUnsharded;
 }
 
@@ -291,6 +359,10 @@ void UnitGroup::IssueReduction() {
     core_->pending_reductions.push_back(this);
     return;
   }
+  if (UseSegments()) {
+    IssueReduceScatterSegments();
+    return;
+  }
   const at::TensorOptions options =
       at::TensorOptions().dtype(reduce_dtype_).device(core_->options.device);
   const int64_t chunk = FlatChunkNumel(params());
@@ -320,6 +392,76 @@ void UnitGroup::IssueReduction() {
   core_->pending_reductions.push_back(this);
 }
 
+void UnitGroup::IssueReduceScatterSegments() {
+  const std::vector<ShardedParam*> ps = params();
+  const int size = core_->shard_size();
+  const int rank = core_->shard_rank();
+  const at::TensorOptions options =
+      at::TensorOptions().dtype(reduce_dtype_).device(core_->options.device);
+  const int64_t chunk = FlatChunkNumel(ps);
+  // This rank's reduced chunk, in the flat path's padded layout (so the rest
+  // of the reduction is shared), and room for the peers' contributions.
+  rs_output_ = core_->buffers.Acquire(chunk, options);
+  rs_scratch_ = core_->buffers.Acquire(chunk * (size - 1), options);
+  had_grad_.resize(ps.size(), false);
+  rs_grads_.clear();
+  std::vector<std::vector<comm::Buffer>> inputs(static_cast<size_t>(size));
+  std::vector<comm::Buffer> outputs;
+  at::NoGradGuard no_grad;
+  int64_t offset = 0;
+  for (size_t i = 0; i < ps.size(); ++i) {
+    ShardedParam* p = ps[i];
+    at::Tensor g = p->unsharded_grad();
+    if (g.defined()) {
+      had_grad_[i] = true;
+      // In reduce_dtype and contiguous; a no-op in the common case.
+      g = g.to(reduce_dtype_).contiguous();
+    } else {
+      // Every rank contributes to every segment: zeros stand in.
+      g = at::zeros(p->global_shape(), options);
+    }
+    rs_grads_.push_back(g);
+    absl::StatusOr<comm::Buffer> whole = ToBuffer(g);
+    if (!whole.ok()) core_->Fail(whole.status());
+    const int64_t row_bytes =
+        p->row_numel() * static_cast<int64_t>(comm::ElementSize(whole->dtype));
+    for (int r = 0; r < size; ++r) {
+      const int64_t begin = r * p->padded_rows_per_rank();
+      const int64_t rows =
+          std::clamp<int64_t>(p->rows() - begin, 0, p->padded_rows_per_rank());
+      inputs[r].push_back(
+          comm::Buffer{static_cast<char*>(whole->data) + begin * row_bytes,
+                       rows * p->row_numel(), whole->dtype});
+      if (r == rank) {
+        const int64_t valid = rows * p->row_numel();
+        absl::StatusOr<comm::Buffer> out =
+            ToBuffer(rs_output_.narrow(0, offset, valid));
+        if (!out.ok()) core_->Fail(out.status());
+        outputs.push_back(*out);
+        // Padding rows stay zero (the HSDP all-reduce reads the whole chunk).
+        if (valid < p->shard_numel()) {
+          rs_output_.narrow(0, offset + valid, p->shard_numel() - valid)
+              .zero_();
+        }
+      }
+    }
+    offset += p->shard_numel();
+  }
+  for (ShardedParam* p : ps) p->ClearUnshardedGrad();
+  rs_grad_bytes_ = 0;
+  for (const at::Tensor& g : rs_grads_)
+    rs_grad_bytes_ += static_cast<int64_t>(g.nbytes());
+  core_->in_flight_grad_bytes += rs_grad_bytes_;
+  core_->SampleTransientBytes();
+  absl::StatusOr<comm::Buffer> scratch = ToBuffer(rs_scratch_);
+  if (!scratch.ok()) core_->Fail(scratch.status());
+  rs_work_ = core_->mesh.shard->ReduceScatterSegments(inputs, outputs, *scratch,
+                                                      comm::ReduceOp::kAvg);
+  rs_all_reduce_ = core_->requires_all_reduce;
+  reduction_pending_ = true;
+  core_->pending_reductions.push_back(this);
+}
+
 void UnitGroup::FinishReduction() {
   if (!reduction_pending_) return;
   reduction_pending_ = false;
@@ -339,6 +481,10 @@ void UnitGroup::FinishReduction() {
         WaitWork(rs_work_, &stats_.reduce_scatter_seconds, "reduce-scatter");
     if (!s.ok()) core_->Fail(s);
   }
+  // The segments path is done reading the gradients.
+  rs_grads_.clear();
+  core_->in_flight_grad_bytes -= rs_grad_bytes_;
+  rs_grad_bytes_ = 0;
   // With one shard the input is already the (trivially) reduced chunk.
   at::Tensor& reduced = rs_output_.defined() ? rs_output_ : rs_input_;
   at::NoGradGuard no_grad;
@@ -377,8 +523,13 @@ void UnitGroup::FinishReduction() {
 }
 
 void UnitGroup::ReleaseReductionBuffers() {
-  rs_output_.reset();  // a view of rs_input_: drop it before the pool checks
-  core_->buffers.Release(rs_input_);
+  if (rs_input_.defined()) {
+    rs_output_.reset();  // a view of rs_input_: drop it before the pool checks
+    core_->buffers.Release(rs_input_);
+  } else {  // segments path: both are pool buffers of their own
+    core_->buffers.Release(rs_output_);
+  }
+  core_->buffers.Release(rs_scratch_);
 }
 
 int64_t UnitGroup::FlatBufferBytes() const {

@@ -2,12 +2,20 @@
 // and autograd hooks share (EngineCore).
 //
 // A unit moves through kSharded → kGathering (all-gather issued) → kUnsharded
-// and back to kSharded on reshard. Per unit there is one fused all-gather
-// (copy-in, AllGather, copy-out) and one fused reduce-scatter of the gradients
-// in reduce_dtype; in HSDP the reduced shard is then all-reduced across the
-// replicate group. Collectives are issued from the training thread (or the
-// autograd thread while the training thread waits in backward) in program
-// order, so every rank issues the same sequence.
+// and back to kSharded on reshard. Per unit there is one fused all-gather and
+// one fused reduce-scatter of the gradients in reduce_dtype; in HSDP the
+// reduced shard is then all-reduced across the replicate group.
+//
+// Two ways to move a unit's bytes, chosen per communicator:
+//  - segments (Gloo): the all-gather sends each local shard and receives every
+//    peer's piece straight into the unsharded parameter storage (allocated
+//    when the gather is issued); the reduce-scatter sends each gradient's rows
+//    straight from the gradient. No flat staging buffer, no copy-in/copy-out.
+//  - flat (NCCL, whose collectives take one contiguous buffer): copy-in to a
+//    flat buffer of S chunks, the collective in place, copy-out (FSDP2's way).
+// Both sum in rank order, so they give the same bits. Collectives are issued
+// from the training thread (or the autograd thread while the training thread
+// waits in backward) in program order, so every rank issues the same sequence.
 //
 // Thread-compatible: only ever driven by one thread at a time (see
 // fully_shard.h).
@@ -132,6 +140,9 @@ class EngineCore {
   int64_t peak_transient_param_bytes = 0;
   int64_t peak_transient_grad_bytes = 0;
   int64_t peak_transient_comm_bytes = 0;
+  // Unsharded gradients no longer on their parameters but still read by a
+  // reduce-scatter in flight (segments path): counted with the grads.
+  int64_t in_flight_grad_bytes = 0;
 };
 
 class UnitGroup {
@@ -148,6 +159,7 @@ class UnitGroup {
   void set_index(int index) { index_ = index; }
   std::vector<ShardedParam*> params() const;
   bool is_unsharded() const { return state_ == State::kUnsharded; }
+  bool is_gathering() const { return state_ == State::kGathering; }
 
   // Issues the all-gather when sharded (no-op otherwise).
   void Unshard();
@@ -185,7 +197,11 @@ class UnitGroup {
  private:
   enum class State { kSharded, kGathering, kUnsharded };
 
+  // The segments path applies (see the file comment).
+  bool UseSegments() const;
+  void IssueAllGatherSegments();
   void IssueReduction();
+  void IssueReduceScatterSegments();
   void ReleaseReductionBuffers();
   absl::Status WaitWork(std::unique_ptr<comm::Work>& work, double* seconds,
                         const char* what);
@@ -202,9 +218,16 @@ class UnitGroup {
   // rs_output_ is this rank's chunk of rs_input_ (undefined with one shard,
   // when the input is the result).
   at::Tensor ag_output_;
+  // Segments path: the shards cast to the compute dtype, when they differ.
+  at::Tensor ag_input_;
   std::unique_ptr<comm::Work> ag_work_;
   at::Tensor rs_input_;
   at::Tensor rs_output_;
+  // Segments path: the peers' contributions (S-1 chunks), and the gradients
+  // being sent (kept alive until the reduce-scatter completes).
+  at::Tensor rs_scratch_;
+  std::vector<at::Tensor> rs_grads_;
+  int64_t rs_grad_bytes_ = 0;
   std::unique_ptr<comm::Work> rs_work_;
   bool rs_all_reduce_ = false;
   bool reduction_pending_ = false;
