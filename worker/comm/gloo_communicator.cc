@@ -148,23 +148,6 @@ absl::Status CheckSegmentLists(const std::string& where,
   return absl::OkStatus();
 }
 
-// Completion state shared by the executing thread (producer) and the Work
-// handle (consumer); shared so a Work dropped without Wait() does not dangle.
-// Thread-safe: every field is guarded by `mu`.
-struct WorkState {
-  absl::Mutex mu;
-  bool done ABSL_GUARDED_BY(mu) = false;
-  absl::Status status ABSL_GUARDED_BY(mu);
-  double elapsed_seconds ABSL_GUARDED_BY(mu) = 0;
-
-  void Complete(absl::Status s, double elapsed) {
-    absl::MutexLock lock(&mu);
-    status = std::move(s);
-    elapsed_seconds = elapsed;
-    done = true;
-  }
-};
-
 }  // namespace
 
 int FindPeerInGlooError(const std::string& text,
@@ -188,17 +171,8 @@ int FindPeerInGlooError(const std::string& text,
   return found;
 }
 
-struct GlooCommunicator::Task {
-  std::string what;
-  std::function<void(Core& core, uint32_t tag)> run;
-  uint32_t tag = 0;
-  std::shared_ptr<WorkState> state;
-};
-
-// Everything a collective needs to execute. Thread-safety: the queue and flags
-// are guarded by `mu`; the execution state below them belongs to whichever
-// thread holds the `running` token (claimed and released under `mu`), so only
-// one collective ever executes at a time.
+// Everything a collective needs to execute. Thread-compatible: only the task
+// the SerialExecutor is running touches it, one at a time.
 struct GlooCommunicator::Core {
   Core(std::shared_ptr<gloo::Context> context, std::string name, int rank,
        int size, absl::Duration timeout)
@@ -215,41 +189,18 @@ struct GlooCommunicator::Core {
   // Converts the in-flight exception of a failed collective into a Status.
   absl::Status CurrentExceptionToStatus(const std::string& what) const;
 
-  // Runs `task` and completes its Work. Caller holds the running token.
-  void Execute(Task& task);
-
-  // Claims the running token and pops the head task if it may start now and
-  // (when `only` is set) is the task with that state.
-  std::unique_ptr<Task> ClaimHead(const WorkState* only)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
-    if (running || queue.empty()) return nullptr;
-    if (only != nullptr && queue.front()->state.get() != only) return nullptr;
-    std::unique_ptr<Task> task = std::move(queue.front());
-    queue.pop_front();
-    running = true;
-    return task;
-  }
-
   const std::shared_ptr<gloo::Context> context;
   const std::string name;
   const int rank;
   const int size;
   const absl::Duration timeout;
 
-  absl::Mutex mu;
-  std::deque<std::unique_ptr<Task>> queue ABSL_GUARDED_BY(mu);
-  bool running ABSL_GUARDED_BY(mu) = false;
-  bool stopping ABSL_GUARDED_BY(mu) = false;
-  uint64_t issued ABSL_GUARDED_BY(mu) = 0;
-
   // peer_addresses[p]: the TCP address of peer p's end of our pair, which is
   // how Gloo names a peer in its errors (set once, before any collective).
   std::vector<std::string> peer_addresses;
 
-  // Owned by the running-token holder: the first failure (makes the
-  // communicator unusable) and the reduce-scatter receive buffer, kept across
-  // calls to avoid a large allocation per call.
-  absl::Status broken;
+  // The reduce-scatter receive buffer, kept across calls to avoid a large
+  // allocation per call.
   std::vector<char> scratch;
   // Unbound buffers of a failed segment collective: Gloo may still hold
   // pointers to them, so they live as long as the (broken) communicator.
@@ -335,45 +286,6 @@ class PointToPoint {
 };
 
 }  // namespace
-
-// Thread-compatible handle (one waiter), see Work.
-class GlooCommunicator::GlooWork final : public Work {
- public:
-  GlooWork(std::shared_ptr<WorkState> state, std::shared_ptr<Core> core)
-      : state_(std::move(state)), core_(std::move(core)) {}
-
-  absl::Status Wait() override {
-    if (core_ != nullptr) {
-      // Next in line and not started: run it here rather than wake the comm
-      // thread and sleep (the caller would block anyway).
-      std::unique_ptr<Task> task;
-      {
-        absl::MutexLock lock(&core_->mu);
-        task = core_->ClaimHead(state_.get());
-      }
-      if (task != nullptr) {
-        core_->Execute(*task);
-        absl::MutexLock lock(&core_->mu);
-        core_->running = false;
-      }
-    }
-    absl::MutexLock lock(&state_->mu);
-    state_->mu.Await(absl::Condition(&state_->done));
-    return state_->status;
-  }
-  bool IsCompleted() override {
-    absl::MutexLock lock(&state_->mu);
-    return state_->done;
-  }
-  double ElapsedSeconds() const override {
-    absl::MutexLock lock(&state_->mu);
-    return state_->elapsed_seconds;
-  }
-
- private:
-  std::shared_ptr<WorkState> state_;
-  std::shared_ptr<Core> core_;  // null for Works failed at issue
-};
 
 absl::StatusOr<std::shared_ptr<gloo::transport::Device>> CreateGlooDevice(
     const GlooDeviceOptions& options) {
@@ -465,36 +377,15 @@ GlooCommunicator::GlooCommunicator(std::shared_ptr<Core> core)
       rank_(core->rank),
       size_(core->size),
       timeout_(core->timeout),
-      core_(std::move(core)) {
-  thread_ = std::thread([core = core_] {
-    for (;;) {
-      std::unique_ptr<Task> task;
-      {
-        absl::MutexLock lock(&core->mu);
-        auto ready = [&core]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(core->mu) -> bool {
-          return !core->running && (core->stopping || !core->queue.empty());
-        };
-        core->mu.Await(absl::Condition(&ready));
-        // Drain: stop only once everything issued has run.
-        if (core->queue.empty()) return;
-        task = core->ClaimHead(nullptr);
-      }
-      core->Execute(*task);
-      absl::MutexLock lock(&core->mu);
-      core->running = false;
-    }
-  });
-}
+      core_(std::move(core)),
+      executor_([core = core_](const std::string& what) {
+        return core->Describe(what);
+      }) {}
 
-GlooCommunicator::~GlooCommunicator() {
-  {
-    absl::MutexLock lock(&core_->mu);
-    core_->stopping = true;
-  }
-  thread_.join();
-  // The TCP pairs close when the last Core reference goes (here, unless a Work
-  // handle is still alive).
-}
+// The executor drains the queued collectives and joins its thread; the TCP
+// pairs close when the last Core reference goes (here, unless a Work handle is
+// still alive).
+GlooCommunicator::~GlooCommunicator() = default;
 
 std::string GlooCommunicator::Describe(const std::string& what) const {
   return core_->Describe(what);
@@ -531,49 +422,25 @@ absl::Status GlooCommunicator::Core::CurrentExceptionToStatus(
   }
 }
 
-void GlooCommunicator::Core::Execute(Task& task) {
-  if (!broken.ok()) {
-    task.state->Complete(
-        absl::Status(broken.code(),
-                     absl::StrCat(Describe(task.what),
-                                  " not run: the communicator failed earlier: ",
-                                  broken.message())),
-        0);
-    return;
-  }
-  const absl::Time start = absl::Now();
-  absl::Status status;
-  try {
-    task.run(*this, task.tag);
-  } catch (...) {
-    status = CurrentExceptionToStatus(task.what);
-    broken = status;
-  }
-  task.state->Complete(std::move(status),
-                       absl::ToDoubleSeconds(absl::Now() - start));
-}
-
 std::unique_ptr<Work> GlooCommunicator::Enqueue(
     std::string what, std::function<void(Core& core, uint32_t tag)> run) {
-  auto task = std::make_unique<Task>();
-  task->run = std::move(run);
-  task->state = std::make_shared<WorkState>();
-  auto work = std::make_unique<GlooWork>(task->state, core_);
-  absl::MutexLock lock(&core_->mu);
-  // Tags only need to differ between collectives in flight at once; the issue
-  // counter (the same on every rank by the ordering contract) gives that,
-  // wrapping after 2^32 calls.
-  task->tag = static_cast<uint32_t>(core_->issued);
-  task->what = absl::StrCat(what, " #", core_->issued);
-  ++core_->issued;
-  core_->queue.push_back(std::move(task));
-  return work;
+  return executor_.Enqueue(
+      what,
+      [core = core_, run = std::move(run)](
+          uint64_t tag, const std::string& name) -> absl::Status {
+        try {
+          // Tags only need to differ between collectives in flight at once;
+          // the issue counter gives that, wrapping after 2^32 calls.
+          run(*core, static_cast<uint32_t>(tag));
+          return absl::OkStatus();
+        } catch (...) {
+          return core->CurrentExceptionToStatus(name);
+        }
+      });
 }
 
 std::unique_ptr<Work> GlooCommunicator::Failed(absl::Status status) {
-  auto state = std::make_shared<WorkState>();
-  state->Complete(std::move(status), 0);
-  return std::make_unique<GlooWork>(std::move(state), nullptr);
+  return SerialExecutor::Completed(std::move(status));
 }
 
 std::unique_ptr<Work> GlooCommunicator::AllGather(const Buffer& input,

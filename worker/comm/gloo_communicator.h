@@ -32,6 +32,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "worker/comm/communicator.h"
+#include "worker/comm/serial_executor.h"
 #include "worker/comm/store.h"
 
 namespace gloo {
@@ -120,8 +121,6 @@ class GlooCommunicator final : public Communicator {
 
  private:
   struct Core;
-  struct Task;
-  class GlooWork;
 
   explicit GlooCommunicator(std::shared_ptr<Core> core);
 
@@ -141,7 +140,8 @@ class GlooCommunicator final : public Communicator {
   // Queue, Gloo context and execution state; shared with the Work handles so a
   // Work may outlive the communicator.
   const std::shared_ptr<Core> core_;
-  std::thread thread_;
+  // Runs the collectives in issue order; destroyed (drained) first.
+  SerialExecutor executor_;
 };
 
 // Which peer a Gloo error names: Gloo reports a lost connection with the TCP
