@@ -274,6 +274,48 @@ void RunOnMesh(comm::MeshShape shape,
   for (std::thread& t : threads) t.join();
 }
 
+std::unique_ptr<comm::Work> FlatOnlyCommunicator::AllGather(
+    const comm::Buffer& input, const comm::Buffer& output) {
+  ++all_gathers_;
+  return inner_->AllGather(input, output);
+}
+
+std::unique_ptr<comm::Work> FlatOnlyCommunicator::ReduceScatter(
+    const comm::Buffer& input, const comm::Buffer& output, comm::ReduceOp op) {
+  ++reduce_scatters_;
+  return inner_->ReduceScatter(input, output, op);
+}
+
+std::unique_ptr<comm::Work> FlatOnlyCommunicator::AllReduce(
+    const comm::Buffer& buffer, comm::ReduceOp op) {
+  ++all_reduces_;
+  return inner_->AllReduce(buffer, op);
+}
+
+std::unique_ptr<comm::Work> FlatOnlyCommunicator::AllGatherSegments(
+    const std::vector<comm::Buffer>& inputs,
+    const std::vector<std::vector<comm::Buffer>>& outputs) {
+  ++segment_calls_;
+  return inner_->AllGatherSegments(inputs, outputs);
+}
+
+std::unique_ptr<comm::Work> FlatOnlyCommunicator::ReduceScatterSegments(
+    const std::vector<std::vector<comm::Buffer>>& inputs,
+    const std::vector<comm::Buffer>& outputs, const comm::Buffer& scratch,
+    comm::ReduceOp op) {
+  ++segment_calls_;
+  return inner_->ReduceScatterSegments(inputs, outputs, scratch, op);
+}
+
+std::unique_ptr<comm::Work> FlatOnlyCommunicator::Broadcast(
+    const comm::Buffer& buffer, int root) {
+  return inner_->Broadcast(buffer, root);
+}
+
+std::unique_ptr<comm::Work> FlatOnlyCommunicator::Barrier() {
+  return inner_->Barrier();
+}
+
 double MaxAbsDiff(const StateDict& a, const StateDict& b) {
   if (a.size() != b.size()) return std::numeric_limits<double>::infinity();
   double worst = 0;

@@ -8,6 +8,8 @@
 
 #include <torch/torch.h>
 
+#include <atomic>
+#include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
@@ -16,6 +18,7 @@
 
 #include "absl/time/time.h"
 #include "hsdp/v1/schedule.pb.h"
+#include "worker/comm/communicator.h"
 #include "worker/comm/device_mesh.h"
 #include "worker/fsdp/fully_shard.h"
 
@@ -116,6 +119,51 @@ RunResult TrainSharded(MeshComms comms, int dp_rank, int dp_size,
                        const StateDict& init, const RunConfig& config);
 // Single-process unsharded training on the global batch.
 RunResult TrainReference(const StateDict& init, const RunConfig& config);
+
+// Forwards every call to `inner` but reports SupportsSegments() == false, so
+// the engine takes its flat path (copy-in, AllGather / ReduceScatter,
+// copy-out; the NCCL path) over a Gloo communicator. Counts the collectives it
+// forwards so a test can check which path ran. Does not own `inner`.
+class FlatOnlyCommunicator : public comm::Communicator {
+ public:
+  explicit FlatOnlyCommunicator(comm::Communicator* inner) : inner_(inner) {}
+
+  int rank() const override { return inner_->rank(); }
+  int size() const override { return inner_->size(); }
+  std::string name() const override { return inner_->name(); }
+
+  std::unique_ptr<comm::Work> AllGather(const comm::Buffer& input,
+                                        const comm::Buffer& output) override;
+  std::unique_ptr<comm::Work> ReduceScatter(const comm::Buffer& input,
+                                            const comm::Buffer& output,
+                                            comm::ReduceOp op) override;
+  std::unique_ptr<comm::Work> AllReduce(const comm::Buffer& buffer,
+                                        comm::ReduceOp op) override;
+  bool SupportsSegments() const override { return false; }
+  // Forwarded too (the engine must not call them: counted in segment_calls).
+  std::unique_ptr<comm::Work> AllGatherSegments(
+      const std::vector<comm::Buffer>& inputs,
+      const std::vector<std::vector<comm::Buffer>>& outputs) override;
+  std::unique_ptr<comm::Work> ReduceScatterSegments(
+      const std::vector<std::vector<comm::Buffer>>& inputs,
+      const std::vector<comm::Buffer>& outputs, const comm::Buffer& scratch,
+      comm::ReduceOp op) override;
+  std::unique_ptr<comm::Work> Broadcast(const comm::Buffer& buffer,
+                                        int root) override;
+  std::unique_ptr<comm::Work> Barrier() override;
+
+  int64_t all_gathers() const { return all_gathers_; }
+  int64_t reduce_scatters() const { return reduce_scatters_; }
+  int64_t all_reduces() const { return all_reduces_; }
+  int64_t segment_calls() const { return segment_calls_; }
+
+ private:
+  comm::Communicator* const inner_;
+  std::atomic<int64_t> all_gathers_{0};
+  std::atomic<int64_t> reduce_scatters_{0};
+  std::atomic<int64_t> all_reduces_{0};
+  std::atomic<int64_t> segment_calls_{0};
+};
 
 struct RankContext {
   int rank = 0;
