@@ -3,6 +3,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_util.h"
 
 namespace hsdp::comm {
 namespace {
@@ -25,7 +26,66 @@ std::unique_ptr<Work> Unsupported(const Communicator& comm, const char* what) {
       absl::StrCat(what, " is not supported by ", comm.name())));
 }
 
+absl::Status CheckSegmentLists(const std::string& where,
+                               const std::vector<Buffer>& reference,
+                               const std::vector<std::vector<Buffer>>& lists,
+                               int size, bool same_counts) {
+  if (lists.size() != static_cast<size_t>(size)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": needs one segment list per rank (", size,
+                     "), got ", lists.size()));
+  }
+  for (size_t r = 0; r < lists.size(); ++r) {
+    if (lists[r].size() != reference.size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": rank ", r, "'s list has ", lists[r].size(),
+                       " segments, expected ", reference.size()));
+    }
+    for (size_t k = 0; k < reference.size(); ++k) {
+      const Buffer& b = lists[r][k];
+      if (b.dtype != reference[k].dtype || b.count < 0 ||
+          (same_counts && b.count != reference[k].count) ||
+          (b.count > 0 && b.data == nullptr)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            where, ": segment ", k, " for rank ", r, " (", b.count, " ",
+            DataTypeName(b.dtype), ") does not match (", reference[k].count,
+            " ", DataTypeName(reference[k].dtype), ")"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
+
+int64_t TotalCount(const std::vector<Buffer>& segments) {
+  int64_t total = 0;
+  for (const Buffer& b : segments) total += b.count;
+  return total;
+}
+
+absl::Status CheckAllGatherSegments(
+    const std::string& where, const std::vector<Buffer>& inputs,
+    const std::vector<std::vector<Buffer>>& outputs, int size) {
+  return CheckSegmentLists(where, inputs, outputs, size, /*same_counts=*/true);
+}
+
+absl::Status CheckReduceScatterSegments(
+    const std::string& where, const std::vector<std::vector<Buffer>>& inputs,
+    const std::vector<Buffer>& outputs, int rank, int size) {
+  // Contributions to a peer have that peer's counts, which only it knows; ours
+  // must match our outputs.
+  HSDP_RETURN_IF_ERROR(
+      CheckSegmentLists(where, outputs, inputs, size, /*same_counts=*/false));
+  for (size_t k = 0; k < outputs.size(); ++k) {
+    if (inputs[rank][k].count != outputs[k].count) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, ": this rank's input segment ", k, " has ",
+          inputs[rank][k].count, " elements, its output ", outputs[k].count));
+    }
+  }
+  return absl::OkStatus();
+}
 
 std::unique_ptr<Work> Communicator::AllGatherSegments(
     const std::vector<Buffer>&, const std::vector<std::vector<Buffer>>&) {

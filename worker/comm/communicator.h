@@ -108,13 +108,27 @@ class Communicator {
   // rank r's outputs[k].count elements). outputs[k] = op over ranks, in rank
   // order, of their inputs[rank()][k] — the same sum, bit for bit, as
   // ReduceScatter of the concatenated segments. `scratch` receives the peers'
-  // contributions: at least (size() - 1) x the total output count elements.
+  // contributions: at least ReduceScatterScratchCount(total output count)
+  // elements. Outputs must not overlap the inputs.
+  virtual int64_t ReduceScatterScratchCount(int64_t output_count) const {
+    return output_count * (size() - 1);
+  }
   virtual std::unique_ptr<Work> ReduceScatterSegments(
       const std::vector<std::vector<Buffer>>& inputs,
       const std::vector<Buffer>& outputs, const Buffer& scratch, ReduceOp op);
   virtual std::unique_ptr<Work> Broadcast(const Buffer& buffer, int root) = 0;
   virtual std::unique_ptr<Work> Barrier() = 0;
 };
+
+// For backends: argument checks of the segment collectives, INVALID_ARGUMENT
+// prefixed with `where` and naming the offending segment and rank.
+int64_t TotalCount(const std::vector<Buffer>& segments);
+absl::Status CheckAllGatherSegments(
+    const std::string& where, const std::vector<Buffer>& inputs,
+    const std::vector<std::vector<Buffer>>& outputs, int size);
+absl::Status CheckReduceScatterSegments(
+    const std::string& where, const std::vector<std::vector<Buffer>>& inputs,
+    const std::vector<Buffer>& outputs, int rank, int size);
 
 }  // namespace hsdp::comm
 

@@ -112,42 +112,6 @@ absl::Status CheckPartAndWhole(const std::string& where, const Buffer& part,
       DataTypeName(whole.dtype), ")"));
 }
 
-int64_t TotalCount(const std::vector<Buffer>& segments) {
-  int64_t total = 0;
-  for (const Buffer& b : segments) total += b.count;
-  return total;
-}
-
-absl::Status CheckSegmentLists(const std::string& where,
-                               const std::vector<Buffer>& reference,
-                               const std::vector<std::vector<Buffer>>& lists,
-                               int size, bool same_counts) {
-  if (lists.size() != static_cast<size_t>(size)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(where, ": needs one segment list per rank (", size,
-                     "), got ", lists.size()));
-  }
-  for (size_t r = 0; r < lists.size(); ++r) {
-    if (lists[r].size() != reference.size()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(where, ": rank ", r, "'s list has ", lists[r].size(),
-                       " segments, expected ", reference.size()));
-    }
-    for (size_t k = 0; k < reference.size(); ++k) {
-      const Buffer& b = lists[r][k];
-      if (b.dtype != reference[k].dtype || b.count < 0 ||
-          (same_counts && b.count != reference[k].count) ||
-          (b.count > 0 && b.data == nullptr)) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            where, ": segment ", k, " for rank ", r, " (", b.count, " ",
-            DataTypeName(b.dtype), ") does not match (", reference[k].count,
-            " ", DataTypeName(reference[k].dtype), ")"));
-      }
-    }
-  }
-  return absl::OkStatus();
-}
-
 }  // namespace
 
 int FindPeerInGlooError(const std::string& text,
@@ -500,9 +464,8 @@ std::unique_ptr<Work> GlooCommunicator::ReduceScatter(const Buffer& input,
 std::unique_ptr<Work> GlooCommunicator::AllGatherSegments(
     const std::vector<Buffer>& inputs,
     const std::vector<std::vector<Buffer>>& outputs) {
-  const std::string where = Describe("AllGatherSegments");
-  if (absl::Status status = CheckSegmentLists(where, inputs, outputs, size_,
-                                              /*same_counts=*/true);
+  if (absl::Status status = CheckAllGatherSegments(
+          Describe("AllGatherSegments"), inputs, outputs, size_);
       !status.ok()) {
     return Failed(std::move(status));
   }
@@ -539,19 +502,12 @@ std::unique_ptr<Work> GlooCommunicator::ReduceScatterSegments(
     const std::vector<std::vector<Buffer>>& inputs,
     const std::vector<Buffer>& outputs, const Buffer& scratch, ReduceOp op) {
   const std::string where = Describe("ReduceScatterSegments");
-  if (absl::Status status = CheckSegmentLists(where, outputs, inputs, size_,
-                                              /*same_counts=*/false);
+  if (absl::Status status =
+          CheckReduceScatterSegments(where, inputs, outputs, rank_, size_);
       !status.ok()) {
     return Failed(std::move(status));
   }
   const int64_t total = TotalCount(outputs);
-  for (size_t k = 0; k < outputs.size(); ++k) {
-    if (inputs[rank_][k].count != outputs[k].count) {
-      return Failed(absl::InvalidArgumentError(absl::StrCat(
-          where, ": this rank's input segment ", k, " has ",
-          inputs[rank_][k].count, " elements, its output ", outputs[k].count)));
-    }
-  }
   const DataType dtype = outputs.empty() ? scratch.dtype : outputs[0].dtype;
   if (scratch.dtype != dtype || scratch.count < total * (size_ - 1)) {
     return Failed(absl::InvalidArgumentError(

@@ -400,9 +400,14 @@ void UnitGroup::IssueReduceScatterSegments() {
       at::TensorOptions().dtype(reduce_dtype_).device(core_->options.device);
   const int64_t chunk = FlatChunkNumel(ps);
   // This rank's reduced chunk, in the flat path's padded layout (so the rest
-  // of the reduction is shared), and room for the peers' contributions.
+  // of the reduction is shared), and room for the peers' contributions if the
+  // backend receives them before summing.
   rs_output_ = core_->buffers.Acquire(chunk, options);
-  rs_scratch_ = core_->buffers.Acquire(chunk * (size - 1), options);
+  const int64_t scratch_count =
+      core_->mesh.shard->ReduceScatterScratchCount(chunk);
+  if (scratch_count > 0) {
+    rs_scratch_ = core_->buffers.Acquire(scratch_count, options);
+  }
   had_grad_.resize(ps.size(), false);
   rs_grads_.clear();
   std::vector<std::vector<comm::Buffer>> inputs(static_cast<size_t>(size));
@@ -453,9 +458,15 @@ void UnitGroup::IssueReduceScatterSegments() {
     rs_grad_bytes_ += static_cast<int64_t>(g.nbytes());
   core_->in_flight_grad_bytes += rs_grad_bytes_;
   core_->SampleTransientBytes();
-  absl::StatusOr<comm::Buffer> scratch = ToBuffer(rs_scratch_);
-  if (!scratch.ok()) core_->Fail(scratch.status());
-  rs_work_ = core_->mesh.shard->ReduceScatterSegments(inputs, outputs, *scratch,
+  comm::Buffer scratch{
+      nullptr, 0,
+      outputs.empty() ? comm::DataType::kFloat32 : outputs[0].dtype};
+  if (rs_scratch_.defined()) {
+    absl::StatusOr<comm::Buffer> b = ToBuffer(rs_scratch_);
+    if (!b.ok()) core_->Fail(b.status());
+    scratch = *b;
+  }
+  rs_work_ = core_->mesh.shard->ReduceScatterSegments(inputs, outputs, scratch,
                                                       comm::ReduceOp::kAvg);
   rs_all_reduce_ = core_->requires_all_reduce;
   reduction_pending_ = true;

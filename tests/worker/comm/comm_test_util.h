@@ -114,6 +114,12 @@ inline absl::StatusOr<std::unique_ptr<GlooCommunicator>> MakeGloo(
 std::vector<std::unique_ptr<GlooCommunicator>> MakeGroup(
     Store& store, const std::string& prefix, int world, absl::Duration timeout);
 
+// The same group with `backend` "gloo" or "shm" (Gloo wrapped in
+// ShmCommunicator; fails the calling test if shared memory is not used).
+std::vector<std::unique_ptr<Communicator>> MakeBackendGroup(
+    const std::string& backend, Store& store, const std::string& prefix,
+    int world, absl::Duration timeout);
+
 }  // namespace hsdp::comm::testing
 
 #endif  // HSDP_TESTS_WORKER_COMM_COMM_TEST_UTIL_H_
