@@ -8,6 +8,8 @@
 //  3. the engine's fused all-gather / reduce-scatter of one unit vs raw Gloo
 //  collectives of the
 //     same bytes at world 2 (target >= 0.9x throughput).
+// Memory and collectives are measured over both transports of ranks on one
+// host: Gloo TCP and shared memory (the default).
 // Ranks are threads over loopback Gloo; one intra-op thread per rank.
 #include <torch/torch.h>
 
@@ -68,8 +70,17 @@ double Median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-// Runs fn(rank, mesh) on `world` threads forming a 1 x world mesh.
-void RunRanks(int world,
+// The transports the engine's collectives can take between ranks of one host.
+enum class Transport { kGlooTcp, kSharedMemory };
+
+const char* TransportName(Transport t) {
+  return t == Transport::kSharedMemory ? "shared memory" : "Gloo TCP";
+}
+
+// Runs fn(rank, mesh) on `world` threads forming a 1 x world mesh whose
+// segment collectives (the engine's all-gathers and reduce-scatters) take
+// `transport`.
+void RunRanks(int world, Transport transport,
               const std::function<void(int, comm::DeviceMesh&)>& fn) {
   static int run = 0;
   const std::string prefix = absl::StrCat("fsdp-bench-", run++);
@@ -81,7 +92,8 @@ void RunRanks(int world,
       comm::GlooDeviceOptions device;
       device.hostname = "127.0.0.1";
       auto mesh = comm::DeviceMesh::CreateGloo(
-          comm::MeshShape{1, world}, rank, store, prefix, device, kCommTimeout);
+          comm::MeshShape{1, world}, rank, store, prefix, device, kCommTimeout,
+          /*shared_memory=*/transport == Transport::kSharedMemory);
       if (!mesh.ok()) {
         std::cerr << "mesh: " << mesh.status() << "\n";
         std::exit(1);
@@ -152,7 +164,7 @@ void StepTime(const models::GptConfig& config, const Flags& flags) {
     plain_opt.step();
     plain_opt.zero_grad();
   };
-  RunRanks(1, [&](int, comm::DeviceMesh& mesh) {
+  RunRanks(1, Transport::kGlooTcp, [&](int, comm::DeviceMesh& mesh) {
     ShardedGpt sharded(config, mesh);
     for (int i = 0; i < kWarmupSteps; ++i) {
       plain_step();
@@ -188,8 +200,8 @@ int64_t OptimizerStateBytes(torch::optim::AdamW& optimizer) {
 }
 
 void MemoryRatio(const models::GptConfig& config, const Flags& flags,
-                 int shards) {
-  RunRanks(shards, [&](int rank, comm::DeviceMesh& mesh) {
+                 int shards, Transport transport) {
+  RunRanks(shards, transport, [&](int rank, comm::DeviceMesh& mesh) {
     ShardedGpt sharded(config, mesh);
     auto [tokens, targets] = Tokens(config, std::max(1, flags.batch / shards));
     // Grads are inspected before zero_grad: run forward/backward/step by hand.
@@ -219,17 +231,17 @@ void MemoryRatio(const models::GptConfig& config, const Flags& flags,
     const double bound = 1.0 / shards + 2.0 * largest_unit / unsharded;
     if (rank == 0) {
       std::printf(
-          "memory, world %d (1x%d, prefetch depth 0, reshard after forward "
-          "and backward): unsharded param+grad+AdamW %.2f MB, largest unit "
-          "%.2f MB\n"
+          "memory, world %d (1x%d, %s, prefetch depth 0, reshard after "
+          "forward and backward): unsharded param+grad+AdamW %.2f MB, largest "
+          "unit %.2f MB\n"
           "  steady: per-rank %.2f MB, ratio %.3f (target 1/S = %.3f) %s\n"
           "  peak: ratio %.3f = steady + transients alive together %.2f MB "
           "(unsharded params %.2f MB + unsharded grads %.2f MB + flat comm "
           "buffers %.2f MB); bound 1/S + largest unit (params+grads) = %.3f "
           "%s\n"
           "  (sum of the separate peaks, never alive together: ratio %.3f)\n",
-          shards, shards, unsharded / 1e6, largest_unit / 1e6, steady / 1e6,
-          steady / unsharded, 1.0 / shards,
+          shards, shards, TransportName(transport), unsharded / 1e6,
+          largest_unit / 1e6, steady / 1e6, steady / unsharded, 1.0 / shards,
           steady / unsharded <= 1.0 / shards + kPaddingSlack ? "PASS" : "MISS",
           peak / unsharded, stats.peak_transient_bytes / 1e6,
           stats.peak_transient_param_bytes / 1e6,
@@ -241,53 +253,51 @@ void MemoryRatio(const models::GptConfig& config, const Flags& flags,
   });
 }
 
-void CollectiveThroughput(const models::GptConfig& config, const Flags& flags) {
+void CollectiveThroughput(const models::GptConfig& config, const Flags& flags,
+                          Transport transport) {
   constexpr int kWorld = 2;
-  RunRanks(kWorld, [&](int rank, comm::DeviceMesh& mesh) {
+  RunRanks(kWorld, transport, [&](int rank, comm::DeviceMesh& mesh) {
     ShardedGpt sharded(config, mesh);
     EngineCore& core = sharded.engine->core();
     UnitGroup& unit = *core.units[1];  // a block: the largest unit
-    const int64_t chunk = [&] {
-      int64_t n = 0;
-      for (ShardedParam* p : unit.params()) n += p->shard_numel();
-      return n;
-    }();
+    const int64_t chunk = FlatChunkNumel(unit.params());
     const double bytes = chunk * kWorld * 4.0;
+    // Raw Gloo: the same bytes in one flat buffer. The mesh's flat
+    // collectives are Gloo's on either transport (shared memory carries only
+    // the segment collectives).
+    comm::Communicator& raw = mesh.shard();
     at::Tensor in = torch::randn({chunk}), out = torch::empty({chunk * kWorld});
     at::Tensor rs_in = torch::randn({chunk * kWorld}),
                rs_out = torch::empty({chunk});
     auto buffer = [](const at::Tensor& t) {
       return comm::Buffer{t.data_ptr(), t.numel(), comm::DataType::kFloat32};
     };
-    std::vector<double> raw_ag, raw_rs, eng_ag, eng_rs, copy_in, copy_out,
-        copy_out_warm;
-    at::Tensor flat = torch::randn({chunk * kWorld});
+    std::vector<double> raw_ag, raw_rs, eng_ag, eng_rs, first_touch;
+    // Each timed collective starts with both ranks in step: otherwise one
+    // rank's local work before it (filling gradients) is charged to it.
+    auto in_step = [&] { (void)raw.Barrier()->Wait(); };
     for (int i = 0; i < flags.collective_reps; ++i) {
-      raw_ag.push_back(Seconds([&] {
-        (void)mesh.shard().AllGather(buffer(in), buffer(out))->Wait();
-      }));
+      in_step();
+      raw_ag.push_back(Seconds(
+          [&] { (void)raw.AllGather(buffer(in), buffer(out))->Wait(); }));
+      in_step();
       eng_ag.push_back(Seconds([&] {
         unit.WaitForUnshard();
         unit.Reshard();
       }));
-      // The engine's share of an all-gather that raw Gloo does not pay (raw
-      // Gloo copies its input into place itself, as the engine's copy-in does):
-      // allocating the unsharded storage and scattering the gathered buffer
-      // into it, then freeing it.
-      copy_out.push_back(Seconds([&] {
-        for (ShardedParam* p : unit.params()) p->AllocUnsharded();
-        AllGatherCopyOut(flat, unit.params());
-        for (ShardedParam* p : unit.params()) p->FreeUnsharded();
+      // The engine's share of an all-gather that raw Gloo, writing into a
+      // buffer it reuses, does not pay: storage that reshard returned to the
+      // system comes back as fresh pages (a fault and a zeroing per 4 KiB).
+      first_touch.push_back(Seconds([&] {
+        for (ShardedParam* p : unit.params()) {
+          p->AllocUnsharded();
+          p->unsharded_padded().zero_();
+          p->FreeUnsharded();
+        }
       }));
-      // The same copy into storage already touched: the difference is the
-      // page faults of storage that reshard really returned to the system.
-      for (ShardedParam* p : unit.params()) p->AllocUnsharded();
-      AllGatherCopyOut(flat, unit.params());
-      copy_out_warm.push_back(
-          Seconds([&] { AllGatherCopyOut(flat, unit.params()); }));
-      for (ShardedParam* p : unit.params()) p->FreeUnsharded();
+      in_step();
       raw_rs.push_back(Seconds([&] {
-        (void)mesh.shard()
+        (void)raw
             .ReduceScatter(buffer(rs_in), buffer(rs_out), comm::ReduceOp::kAvg)
             ->Wait();
       }));
@@ -295,10 +305,8 @@ void CollectiveThroughput(const models::GptConfig& config, const Flags& flags) {
         p->module_param().mutable_grad() =
             torch::randn(p->module_param().sizes());
       }
-      // The engine's share of a reduce-scatter that raw Gloo does not pay.
-      copy_in.push_back(
-          Seconds([&] { ReduceScatterCopyIn(unit.params(), flat); }));
       unit.post_backward_done = false;
+      in_step();
       eng_rs.push_back(Seconds([&] {
         unit.PostBackward();
         core.FinishPendingReductions();
@@ -307,28 +315,22 @@ void CollectiveThroughput(const models::GptConfig& config, const Flags& flags) {
     if (rank == 0) {
       const double ag = Best(raw_ag) / Best(eng_ag),
                    rs = Best(raw_rs) / Best(eng_rs);
-      // Without the engine's own copies: what the engine adds on the
-      // communication side (comm thread hand-off, waiting, pool).
-      const double ag_comm = Best(raw_ag) / (Best(eng_ag) - Best(copy_out)),
-                   rs_comm = Best(raw_rs) / (Best(eng_rs) - Best(copy_in));
       std::printf(
-          "collectives, world 2, one block (%.2f MB gathered, best of %d "
-          "interleaved; median ratios in brackets):\n"
-          "  all-gather: engine %.1f MB/s vs raw Gloo %.1f MB/s = %.2fx "
-          "[%.2fx] (target >= 0.9x) %s; the alloc + copy-out into the "
-          "unsharded params takes %.2f of %.2f ms (into already-touched "
-          "storage: %.2f ms; the rest is page faults of freshly allocated "
-          "storage); without it %.2fx\n"
-          "  reduce-scatter: engine %.1f MB/s vs raw %.1f MB/s = %.2fx "
-          "[%.2fx] (target >= 0.9x) %s; the gradient copy-in takes %.2f of "
-          "%.2f ms; without it %.2fx\n",
-          bytes / 1e6, flags.collective_reps, bytes / Best(eng_ag) / 1e6,
-          bytes / Best(raw_ag) / 1e6, ag, Median(raw_ag) / Median(eng_ag),
-          ag >= 0.9 ? "PASS" : "MISS", Best(copy_out) * 1e3, Best(eng_ag) * 1e3,
-          Best(copy_out_warm) * 1e3, ag_comm, bytes / Best(eng_rs) / 1e6,
-          bytes / Best(raw_rs) / 1e6, rs, Median(raw_rs) / Median(eng_rs),
-          rs >= 0.9 ? "PASS" : "MISS", Best(copy_in) * 1e3, Best(eng_rs) * 1e3,
-          rs_comm);
+          "collectives over %s, world 2, one block (%.2f MB gathered, best of "
+          "%d interleaved; median ratios in brackets):\n"
+          "  all-gather (unshard + reshard): engine %.1f MB/s vs raw Gloo "
+          "%.1f MB/s = %.2fx [%.2fx] (target >= 0.9x) %s; of the engine's "
+          "%.2f ms, first-touching the storage reshard returned takes %.2f "
+          "ms\n"
+          "  reduce-scatter (post-backward, into the sharded grads): engine "
+          "%.1f MB/s vs raw Gloo %.1f MB/s = %.2fx [%.2fx] (target >= 0.9x) "
+          "%s\n",
+          TransportName(transport), bytes / 1e6, flags.collective_reps,
+          bytes / Best(eng_ag) / 1e6, bytes / Best(raw_ag) / 1e6, ag,
+          Median(raw_ag) / Median(eng_ag), ag >= 0.9 ? "PASS" : "MISS",
+          Best(eng_ag) * 1e3, Best(first_touch) * 1e3,
+          bytes / Best(eng_rs) / 1e6, bytes / Best(raw_rs) / 1e6, rs,
+          Median(raw_rs) / Median(eng_rs), rs >= 0.9 ? "PASS" : "MISS");
     }
   });
 }
@@ -366,7 +368,13 @@ int main(int argc, char** argv) {
   }
   at::set_num_threads(1);
   hsdp::fsdp::StepTime(*config, flags);
-  for (int s : flags.shard_sizes) hsdp::fsdp::MemoryRatio(*config, flags, s);
-  hsdp::fsdp::CollectiveThroughput(*config, flags);
+  using hsdp::fsdp::Transport;
+  for (Transport t : {Transport::kSharedMemory, Transport::kGlooTcp}) {
+    for (int s : flags.shard_sizes)
+      hsdp::fsdp::MemoryRatio(*config, flags, s, t);
+  }
+  for (Transport t : {Transport::kGlooTcp, Transport::kSharedMemory}) {
+    hsdp::fsdp::CollectiveThroughput(*config, flags, t);
+  }
   return 0;
 }
