@@ -3,6 +3,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "worker/comm/shm_communicator.h"
 
 namespace hsdp::comm {
 
@@ -69,8 +70,9 @@ absl::StatusOr<std::unique_ptr<DeviceMesh>> DeviceMesh::Create(
 
 CommunicatorFactory GlooCommunicatorFactory(
     Store& store, std::shared_ptr<gloo::transport::Device> device,
-    absl::Duration timeout) {
-  return [&store, device = std::move(device), timeout](const GroupSpec& group)
+    absl::Duration timeout, bool shared_memory) {
+  return [&store, device = std::move(device), timeout,
+          shared_memory](const GroupSpec& group)
              -> absl::StatusOr<std::unique_ptr<Communicator>> {
     GlooCommunicatorOptions options;
     options.name = absl::StrCat("gloo:", group.kind);
@@ -79,18 +81,24 @@ CommunicatorFactory GlooCommunicatorFactory(
         GlooCommunicator::Create(store, group.prefix, group.rank, group.size,
                                  device, options);
     if (!comm.ok()) return comm.status();
-    return std::unique_ptr<Communicator>(*std::move(comm));
+    std::unique_ptr<Communicator> gloo(*std::move(comm));
+    if (!shared_memory) return gloo;
+    ShmOptions shm;
+    shm.timeout = timeout;
+    return ShmCommunicator::Wrap(store, group.prefix, std::move(gloo), shm);
   };
 }
 
 absl::StatusOr<std::unique_ptr<DeviceMesh>> DeviceMesh::CreateGloo(
     const MeshShape& shape, int rank, Store& store, const std::string& prefix,
-    const GlooDeviceOptions& device_options, absl::Duration timeout) {
+    const GlooDeviceOptions& device_options, absl::Duration timeout,
+    bool shared_memory) {
   absl::StatusOr<std::shared_ptr<gloo::transport::Device>> device =
       CreateGlooDevice(device_options);
   if (!device.ok()) return device.status();
   return Create(shape, rank, prefix,
-                GlooCommunicatorFactory(store, *std::move(device), timeout));
+                GlooCommunicatorFactory(store, *std::move(device), timeout,
+                                        shared_memory));
 }
 
 }  // namespace hsdp::comm

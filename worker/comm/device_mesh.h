@@ -45,11 +45,13 @@ using CommunicatorFactory =
         const GroupSpec& group)>;
 
 // A factory building GlooCommunicators through `store` on one shared tcp
-// device; errors and name() read "gloo:shard" / "gloo:replicate". `store` must
-// outlive the factory calls.
+// device; errors and name() read "gloo:shard" / "gloo:replicate". With
+// `shared_memory`, each group whose ranks can all map one shared region (one
+// host, one IPC namespace) is wrapped in a ShmCommunicator ("shm+gloo:shard").
+// `store` must outlive the factory calls.
 CommunicatorFactory GlooCommunicatorFactory(
     Store& store, std::shared_ptr<gloo::transport::Device> device,
-    absl::Duration timeout);
+    absl::Duration timeout, bool shared_memory = true);
 
 // Immutable after Create; the communicators follow the Communicator
 // thread-safety rules.
@@ -63,7 +65,8 @@ class DeviceMesh {
   // Convenience: a Gloo mesh with its own tcp device.
   static absl::StatusOr<std::unique_ptr<DeviceMesh>> CreateGloo(
       const MeshShape& shape, int rank, Store& store, const std::string& prefix,
-      const GlooDeviceOptions& device_options, absl::Duration timeout);
+      const GlooDeviceOptions& device_options, absl::Duration timeout,
+      bool shared_memory = true);
 
   DeviceMesh(const DeviceMesh&) = delete;
   DeviceMesh& operator=(const DeviceMesh&) = delete;

@@ -350,7 +350,7 @@ absl::StatusOr<std::unique_ptr<comm::DeviceMesh>> BuildMesh(
   dev.hostname = o.gloo_hostname;
   dev.iface = o.gloo_iface;
   return comm::DeviceMesh::CreateGloo(shape, rank, store, "gloo", dev,
-                                      o.collective_timeout);
+                                      o.collective_timeout, o.shared_memory);
 }
 
 // The checkpoint step to resume from, or -1. Prefers the coordinator's record
@@ -419,6 +419,10 @@ absl::Status TrainSharded(const WorkerOptions& o) {
   agent::CoordinatorStore store(agent, join.rendezvous_prefix());
   HSDP_ASSIGN_OR_RETURN(std::unique_ptr<comm::DeviceMesh> mesh,
                         BuildMesh(o, shape, rank, store, device));
+  // Says which transport each group ended up on ("shm+gloo:shard" or
+  // "gloo:shard", ...).
+  LOG(INFO) << "rank " << rank << " communicators: " << mesh->shard().name()
+            << ", " << mesh->replicate().name();
 
   model->to(device);
   fsdp::EngineOptions eo;

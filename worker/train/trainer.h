@@ -48,6 +48,9 @@ struct WorkerOptions {
   std::string checkpoint_dir;
   std::string gloo_iface;
   std::string gloo_hostname;
+  // Ranks on one host move their all-gathers and reduce-scatters through
+  // shared memory (Gloo TCP where they cannot).
+  bool shared_memory = true;
   absl::Duration collective_timeout = absl::Seconds(60);
   // How long RPCs keep retrying an unreachable coordinator.
   absl::Duration coordinator_timeout = absl::Seconds(60);

@@ -97,6 +97,12 @@ int main(int argc, char** argv) {
       ->envname("HSDP_GLOO_IFACE");
   app.add_option("--gloo-hostname", w.gloo_hostname, "address Gloo listens on")
       ->envname("HSDP_GLOO_HOSTNAME");
+  app.add_option("--shared-memory", w.shared_memory,
+                 "ranks on one host exchange unit all-gathers and "
+                 "reduce-scatters through shared memory instead of TCP "
+                 "(falls back to Gloo TCP on every rank when any cannot map "
+                 "it)")
+      ->envname("HSDP_SHARED_MEMORY");
   app.add_option("--collective-timeout", collective_timeout, "seconds")
       ->envname("HSDP_COLLECTIVE_TIMEOUT");
   app.add_option("--coordinator-timeout", coordinator_timeout,
