@@ -49,6 +49,10 @@ static_assert(std::atomic<uint32_t>::is_always_lock_free);
 struct alignas(kCacheLine) RankInfo {
   int64_t pid;
   uint64_t pid_namespace;  // inode of /proc/self/ns/pid, 0 if unknown
+  // Set when the rank destroys its communicator (a normal exit, or an error
+  // path that unwinds): peers still waiting on it fail at once, as with a
+  // closed TCP connection.
+  std::atomic<uint32_t> closed;
 };
 
 struct alignas(kCacheLine) Header {
@@ -133,7 +137,10 @@ class ShmCommunicator::Region {
         received_(static_cast<size_t>(size) * (size + 1), 0) {}
   Region(const Region&) = delete;
   Region& operator=(const Region&) = delete;
-  ~Region() { munmap(base_, layout_.total_bytes); }
+  ~Region() {
+    info(rank_).closed.store(1, std::memory_order_release);
+    munmap(base_, layout_.total_bytes);
+  }
 
   Header& header() { return *reinterpret_cast<Header*>(base_); }
   RankInfo& info(int r) {
@@ -205,7 +212,8 @@ class ShmCommunicator::Region {
       }
       return true;
     }
-    const RankInfo& i = info(peer);
+    RankInfo& i = info(peer);
+    if (i.closed.load(std::memory_order_acquire) != 0) return false;
     // Another PID namespace (or unknown): its pid means nothing here.
     if (i.pid_namespace == 0 || i.pid_namespace != my_namespace_) return true;
     return kill(static_cast<pid_t>(i.pid), 0) == 0 || errno != ESRCH;
@@ -230,13 +238,20 @@ class ShmCommunicator::Region {
             " (it never issued this collective, is stuck, or is dead)"));
       }
       if (!PeerAlive(peer)) {
+        // It may have done what we wait for just before leaving (a normal
+        // end): what it stored before closing is visible now.
+        if (word.load(std::memory_order_acquire) == want) {
+          return absl::OkStatus();
+        }
         int lost = peer;
         for (int p = 0; lost < 0 && p < size_; ++p) {
           if (p != rank_ && !PeerAlive(p)) lost = p;
         }
-        return absl::UnavailableError(
-            absl::StrCat(what, " failed: lost peer rank ", lost, " (process ",
-                         info(lost).pid, " exited)"));
+        return absl::UnavailableError(absl::StrCat(
+            what, " failed: lost peer rank ", lost,
+            info(lost).closed.load(std::memory_order_acquire) != 0
+                ? " (it closed its communicator)"
+                : absl::StrCat(" (process ", info(lost).pid, " exited)")));
       }
       const timespec ts =
           absl::ToTimespec(std::min(kWaitSlice, deadline - now));

@@ -18,9 +18,9 @@
 //
 // Failure model: every wait is bounded by the timeout and fails with
 // DEADLINE_EXCEEDED naming the collective and the rank waited for; a peer
-// process that exited is noticed within ~50 ms (UNAVAILABLE naming its rank
-// and pid) when it shares our PID namespace. After a failure the communicator
-// is unusable (later calls fail fast), as with Gloo.
+// that destroyed its communicator, or whose process exited (when it shares our
+// PID namespace), is noticed within ~50 ms: UNAVAILABLE naming its rank. After
+// a failure the communicator is unusable (later calls fail fast), as with Gloo.
 //
 // Thread-safety: as Communicator. Segment collectives run one at a time in
 // issue order on this communicator's own SerialExecutor; delegated calls run on

@@ -30,16 +30,21 @@ TEST(DeviceMeshTest, GroupArithmetic) {
             absl::StatusCode::kInvalidArgument);
 }
 
-// 2x2 over Gloo: each rank all-gathers its world rank in both groups and sees
-// exactly its group's members, in group order.
-TEST(DeviceMeshTest, TwoByTwoGroupsOverGloo) {
+// 2x2 over Gloo, with and without shared memory for the segment collectives:
+// each rank all-gathers its world rank in both groups and sees exactly its
+// group's members, in group order.
+class GlooMeshTest : public ::testing::TestWithParam<bool> {};
+
+TEST_P(GlooMeshTest, TwoByTwoGroupsOverGloo) {
+  const bool shared_memory = GetParam();
   const MeshShape shape{2, 2};
   InMemoryStore store;
   GlooDeviceOptions device;
   device.hostname = "127.0.0.1";
   RunOnRanks(shape.world_size(), [&](int rank) {
-    absl::StatusOr<std::unique_ptr<DeviceMesh>> mesh = DeviceMesh::CreateGloo(
-        shape, rank, store, "job/gen0", device, absl::Seconds(20));
+    absl::StatusOr<std::unique_ptr<DeviceMesh>> mesh =
+        DeviceMesh::CreateGloo(shape, rank, store, "job/gen0", device,
+                               absl::Seconds(20), shared_memory);
     ASSERT_TRUE(mesh.ok()) << mesh.status();
     DeviceMesh& m = **mesh;
     EXPECT_EQ(m.replicate_index(), rank / 2);
@@ -47,7 +52,12 @@ TEST(DeviceMeshTest, TwoByTwoGroupsOverGloo) {
     EXPECT_EQ(m.shard().size(), 2);
     EXPECT_EQ(m.shard().rank(), rank % 2);
     EXPECT_EQ(m.replicate().rank(), rank / 2);
-    EXPECT_EQ(m.shard().name(), "gloo:shard");
+    // Threads of one process can always share memory.
+    EXPECT_EQ(m.shard().name(),
+              shared_memory ? "shm+gloo:shard" : "gloo:shard");
+    EXPECT_EQ(m.replicate().name(),
+              shared_memory ? "shm+gloo:replicate" : "gloo:replicate");
+    EXPECT_EQ(m.shard().SupportsSegments(), true);
     int32_t mine = rank;
     int32_t shard_ranks[2] = {-1, -1}, replicate_ranks[2] = {-1, -1};
     // Both groups in flight at once (they share the tcp device).
@@ -83,6 +93,11 @@ TEST(DeviceMeshTest, TwoByTwoGroupsOverGloo) {
               (0 + 1 + 2 + 3) / 2.0f);  // sum over all 4 ranks / 2 replicas
   });
 }
+
+INSTANTIATE_TEST_SUITE_P(Transports, GlooMeshTest, ::testing::Bool(),
+                         [](const auto& info) {
+                           return info.param ? "SharedMemory" : "TcpOnly";
+                         });
 
 }  // namespace
 }  // namespace hsdp::comm

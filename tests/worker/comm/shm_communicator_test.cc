@@ -128,6 +128,30 @@ TEST(ShmCommunicatorTest, TransfersLargerThanASlotArriveIntact) {
   });
 }
 
+// A peer that destroys its communicator (a worker unwinding on an error): the
+// others fail at once instead of waiting out the timeout, as with a TCP peer
+// that closed its connections.
+TEST(ShmCommunicatorTest, PeerThatClosesItsCommunicatorIsNamedQuickly) {
+  constexpr int kWorld = 2;
+  InMemoryStore store;
+  auto comms =
+      MakeBackendGroup("shm", store, "closing", kWorld, absl::Seconds(30));
+  ASSERT_EQ(comms.size(), static_cast<size_t>(kWorld));
+  comms[1].reset();
+  TypedBuffer in(DataType::kFloat32, 8), out(DataType::kFloat32, 8);
+  const absl::Time start = absl::Now();
+  absl::Status status =
+      comms[0]
+          ->AllGatherSegments({in.buffer()}, {{in.buffer()}, {out.buffer()}})
+          ->Wait();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable) << status;
+  EXPECT_NE(status.message().find("lost peer rank 1 (it closed its "
+                                  "communicator)"),
+            std::string::npos)
+      << status;
+}
+
 // A peer process that exits while the others wait for it: they fail with
 // UNAVAILABLE naming its rank and pid long before the timeout.
 TEST(ShmCommunicatorTest, PeerProcessThatExitsIsNamedQuickly) {
