@@ -8,11 +8,9 @@
 namespace hsdp::comm {
 namespace {
 
-// A Work that finished before it was returned (argument errors, unsupported
-// calls).
-class CompletedWork final : public Work {
+class DoneWork final : public Work {
  public:
-  explicit CompletedWork(absl::Status status) : status_(std::move(status)) {}
+  explicit DoneWork(absl::Status status) : status_(std::move(status)) {}
   absl::Status Wait() override { return status_; }
   bool IsCompleted() override { return true; }
   double ElapsedSeconds() const override { return 0; }
@@ -22,7 +20,7 @@ class CompletedWork final : public Work {
 };
 
 std::unique_ptr<Work> Unsupported(const Communicator& comm, const char* what) {
-  return std::make_unique<CompletedWork>(absl::UnimplementedError(
+  return CompletedWork(absl::UnimplementedError(
       absl::StrCat(what, " is not supported by ", comm.name())));
 }
 
@@ -57,6 +55,10 @@ absl::Status CheckSegmentLists(const std::string& where,
 }
 
 }  // namespace
+
+std::unique_ptr<Work> CompletedWork(absl::Status status) {
+  return std::make_unique<DoneWork>(std::move(status));
+}
 
 int64_t TotalCount(const std::vector<Buffer>& segments) {
   int64_t total = 0;

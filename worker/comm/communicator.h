@@ -120,6 +120,10 @@ class Communicator {
   virtual std::unique_ptr<Work> Barrier() = 0;
 };
 
+// For backends: a Work already finished with `status` (argument errors found
+// at issue, unsupported calls).
+std::unique_ptr<Work> CompletedWork(absl::Status status);
+
 // For backends: argument checks of the segment collectives, INVALID_ARGUMENT
 // prefixed with `where` and naming the offending segment and rank.
 int64_t TotalCount(const std::vector<Buffer>& segments);

@@ -404,7 +404,7 @@ std::unique_ptr<Work> GlooCommunicator::Enqueue(
 }
 
 std::unique_ptr<Work> GlooCommunicator::Failed(absl::Status status) {
-  return SerialExecutor::Completed(std::move(status));
+  return CompletedWork(std::move(status));
 }
 
 std::unique_ptr<Work> GlooCommunicator::AllGather(const Buffer& input,

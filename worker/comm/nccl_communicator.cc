@@ -44,18 +44,6 @@ class DeviceGuard {
   int previous_ = -1;
 };
 
-// Work that failed before anything was enqueued.
-class FailedWork : public Work {
- public:
-  explicit FailedWork(absl::Status status) : status_(std::move(status)) {}
-  absl::Status Wait() override { return status_; }
-  bool IsCompleted() override { return true; }
-  double ElapsedSeconds() const override { return 0.0; }
-
- private:
-  absl::Status status_;
-};
-
 // Invalid-argument style results leave the communicator usable; anything else
 // means NCCL's state (or a peer) is broken and the communicator must be
 // aborted.
@@ -556,7 +544,7 @@ void NcclCommState::RecordEnd(const std::shared_ptr<NcclWorkState>& work) {
 std::unique_ptr<Work> NcclCommState::Issue(StreamKind kind, std::string what,
                                            const NcclCall& call) {
   if (absl::Status status = this->status(); !status.ok()) {
-    return std::make_unique<FailedWork>(absl::Status(
+    return CompletedWork(absl::Status(
         status.code(),
         absl::StrCat(what, ": communicator unusable: ", status.message())));
   }
@@ -592,7 +580,7 @@ std::unique_ptr<Work> NcclCommState::Issue(StreamKind kind, std::string what,
         "cudaEventCreate");
   }
   if (!status.ok()) {
-    return std::make_unique<FailedWork>(absl::Status(
+    return CompletedWork(absl::Status(
         status.code(), absl::StrCat(work->what, ": ", status.message())));
   }
 
@@ -600,16 +588,15 @@ std::unique_ptr<Work> NcclCommState::Issue(StreamKind kind, std::string what,
   {
     absl::ReaderMutexLock lock(&mu_);
     if (comm_ == nullptr) {
-      return std::make_unique<FailedWork>(
-          absl::FailedPreconditionError(absl::StrCat(
-              work->what, ": communicator unusable: ", error_.message())));
+      return CompletedWork(absl::FailedPreconditionError(absl::StrCat(
+          work->what, ": communicator unusable: ", error_.message())));
     }
     result = call(comm_, work->stream);
   }
   if (result != ncclSuccess && result != ncclInProgress) {
     status = NcclResultToStatus(result, work->what);
     if (IsFatal(result)) Abort(status);
-    return std::make_unique<FailedWork>(status);
+    return CompletedWork(status);
   }
   if (g_group_depth > 0) {
     // Inside NcclGroup: the kernel launches at ncclGroupEnd; the end event is
@@ -620,7 +607,7 @@ std::unique_ptr<Work> NcclCommState::Issue(StreamKind kind, std::string what,
   if (result == ncclInProgress) {
     status = PollUntilReady(absl::StrCat("enqueueing ", work->what),
                             options_.collective_timeout);
-    if (!status.ok()) return std::make_unique<FailedWork>(status);
+    if (!status.ok()) return CompletedWork(status);
   }
   RecordEnd(work);
   return std::make_unique<NcclWork>(std::move(work));
@@ -867,7 +854,7 @@ std::unique_ptr<Work> NcclCommunicator::AllGather(const Buffer& input,
   std::string what = Describe(*state_, "all_gather", input);
   absl::StatusOr<ncclDataType_t> type =
       CheckedType(what, input, output, input.count * size(), "output");
-  if (!type.ok()) return std::make_unique<FailedWork>(type.status());
+  if (!type.ok()) return CompletedWork(type.status());
   return state_->Issue(NcclCommState::StreamKind::kParam, std::move(what),
                        [&](ncclComm_t comm, cudaStream_t stream) {
                          return ncclAllGather(input.data, output.data,
@@ -881,7 +868,7 @@ std::unique_ptr<Work> NcclCommunicator::ReduceScatter(const Buffer& input,
   std::string what = Describe(*state_, "reduce_scatter", input);
   absl::StatusOr<ncclDataType_t> type =
       CheckedType(what, output, input, output.count * size(), "input");
-  if (!type.ok()) return std::make_unique<FailedWork>(type.status());
+  if (!type.ok()) return CompletedWork(type.status());
   return state_->Issue(NcclCommState::StreamKind::kGrad, std::move(what),
                        [&](ncclComm_t comm, cudaStream_t stream) {
                          return ncclReduceScatter(
@@ -895,7 +882,7 @@ std::unique_ptr<Work> NcclCommunicator::AllReduce(const Buffer& buffer,
   std::string what = Describe(*state_, "all_reduce", buffer);
   absl::StatusOr<ncclDataType_t> type =
       CheckedType(what, buffer, buffer, buffer.count, "buffer");
-  if (!type.ok()) return std::make_unique<FailedWork>(type.status());
+  if (!type.ok()) return CompletedWork(type.status());
   return state_->Issue(NcclCommState::StreamKind::kGrad, std::move(what),
                        [&](ncclComm_t comm, cudaStream_t stream) {
                          return ncclAllReduce(buffer.data, buffer.data,
@@ -910,9 +897,9 @@ std::unique_ptr<Work> NcclCommunicator::Broadcast(const Buffer& buffer,
       Describe(*state_, absl::StrCat("broadcast(root ", root, ")"), buffer);
   absl::StatusOr<ncclDataType_t> type =
       CheckedType(what, buffer, buffer, buffer.count, "buffer");
-  if (!type.ok()) return std::make_unique<FailedWork>(type.status());
+  if (!type.ok()) return CompletedWork(type.status());
   if (root < 0 || root >= size()) {
-    return std::make_unique<FailedWork>(absl::InvalidArgumentError(
+    return CompletedWork(absl::InvalidArgumentError(
         absl::StrCat(what, ": root outside [0, ", size(), ")")));
   }
   return state_->Issue(NcclCommState::StreamKind::kParam, std::move(what),

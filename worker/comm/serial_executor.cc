@@ -94,16 +94,14 @@ class SerialExecutor::ExecutorWork final : public Work {
       : work_(std::move(work)), state_(std::move(state)) {}
 
   absl::Status Wait() override {
-    if (state_ != nullptr) {
-      // Next in line and not started: run it here rather than wake the
-      // executor thread and sleep (the caller would block anyway).
-      std::unique_ptr<QueuedTask> task;
-      {
-        absl::MutexLock lock(&state_->mu);
-        task = state_->ClaimHead(work_.get());
-      }
-      if (task != nullptr) state_->Execute(*task);
+    // Next in line and not started: run it here rather than wake the executor
+    // thread and sleep (the caller would block anyway).
+    std::unique_ptr<QueuedTask> task;
+    {
+      absl::MutexLock lock(&state_->mu);
+      task = state_->ClaimHead(work_.get());
     }
+    if (task != nullptr) state_->Execute(*task);
     absl::MutexLock lock(&work_->mu);
     work_->mu.Await(absl::Condition(&work_->done));
     return work_->status;
@@ -119,7 +117,7 @@ class SerialExecutor::ExecutorWork final : public Work {
 
  private:
   std::shared_ptr<WorkState> work_;
-  std::shared_ptr<State> state_;  // null for Works completed at issue
+  std::shared_ptr<State> state_;
 };
 
 SerialExecutor::SerialExecutor(
@@ -164,12 +162,6 @@ std::unique_ptr<Work> SerialExecutor::Enqueue(const std::string& what,
   ++state_->issued;
   state_->queue.push_back(std::move(queued));
   return work;
-}
-
-std::unique_ptr<Work> SerialExecutor::Completed(absl::Status status) {
-  auto work = std::make_shared<WorkState>();
-  work->Complete(std::move(status), 0);
-  return std::make_unique<ExecutorWork>(std::move(work), nullptr);
 }
 
 }  // namespace hsdp::comm

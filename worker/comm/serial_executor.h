@@ -48,9 +48,6 @@ class SerialExecutor {
   // error status is reported as is (it should already name the collective).
   std::unique_ptr<Work> Enqueue(const std::string& what, Task task);
 
-  // A Work already completed with `status` (argument errors found at issue).
-  static std::unique_ptr<Work> Completed(absl::Status status);
-
  private:
   struct State;
   class ExecutorWork;

@@ -272,40 +272,46 @@ class ShmCommunicator::Region {
 
 namespace {
 
-// Copies bytes [offset, offset + n) of the concatenation of `segments` to
-// `dst` (gather) or from `src` into it (scatter).
-void Gather(const std::vector<Buffer>& segments, size_t offset, size_t n,
-            char* dst) {
+// Calls fn(k, in_segment, in_range, len) for each piece of the concatenation
+// of `segments` that overlaps bytes [offset, offset + n): `len` bytes of
+// segment k, starting `in_segment` bytes into it and `in_range` bytes into
+// the range.
+template <typename Fn>
+void ForEachPiece(const std::vector<Buffer>& segments, size_t offset, size_t n,
+                  Fn&& fn) {
   size_t start = 0;
-  for (const Buffer& b : segments) {
-    const size_t bytes = b.bytes();
-    const size_t end = start + bytes;
+  for (size_t k = 0; k < segments.size(); ++k) {
+    const size_t end = start + segments[k].bytes();
     if (end > offset && start < offset + n) {
       const size_t from = std::max(start, offset);
       const size_t to = std::min(end, offset + n);
-      std::memcpy(dst + (from - offset),
-                  static_cast<const char*>(b.data) + (from - start), to - from);
+      fn(k, from - start, from - offset, to - from);
     }
     if (end >= offset + n) break;
     start = end;
   }
 }
 
+// Copies bytes [offset, offset + n) of the concatenation of `segments` to
+// `dst` (gather) or from `src` into it (scatter).
+void Gather(const std::vector<Buffer>& segments, size_t offset, size_t n,
+            char* dst) {
+  ForEachPiece(segments, offset, n,
+               [&](size_t k, size_t in_segment, size_t in_range, size_t len) {
+                 std::memcpy(
+                     dst + in_range,
+                     static_cast<const char*>(segments[k].data) + in_segment,
+                     len);
+               });
+}
+
 void Scatter(const char* src, size_t offset, size_t n,
              const std::vector<Buffer>& segments) {
-  size_t start = 0;
-  for (const Buffer& b : segments) {
-    const size_t bytes = b.bytes();
-    const size_t end = start + bytes;
-    if (end > offset && start < offset + n) {
-      const size_t from = std::max(start, offset);
-      const size_t to = std::min(end, offset + n);
-      std::memcpy(static_cast<char*>(b.data) + (from - start),
-                  src + (from - offset), to - from);
-    }
-    if (end >= offset + n) break;
-    start = end;
-  }
+  ForEachPiece(segments, offset, n,
+               [&](size_t k, size_t in_segment, size_t in_range, size_t len) {
+                 std::memcpy(static_cast<char*>(segments[k].data) + in_segment,
+                             src + in_range, len);
+               });
 }
 
 size_t TotalBytes(const std::vector<Buffer>& segments) {
@@ -443,7 +449,7 @@ std::unique_ptr<Work> ShmCommunicator::AllGatherSegments(
   if (absl::Status status =
           CheckAllGatherSegments(where, inputs, outputs, size_);
       !status.ok()) {
-    return SerialExecutor::Completed(std::move(status));
+    return CompletedWork(std::move(status));
   }
   const size_t total = TotalBytes(inputs);
   return executor_.Enqueue(
@@ -491,7 +497,7 @@ std::unique_ptr<Work> ShmCommunicator::ReduceScatterSegments(
   if (absl::Status status =
           CheckReduceScatterSegments(where, inputs, outputs, rank_, size_);
       !status.ok()) {
-    return SerialExecutor::Completed(std::move(status));
+    return CompletedWork(std::move(status));
   }
   const DataType dtype =
       outputs.empty() ? DataType::kFloat32 : outputs[0].dtype;
@@ -536,27 +542,19 @@ std::unique_ptr<Work> ShmCommunicator::ReduceScatterSegments(
           }
           // Sum chunk c segment by segment, terms in rank order (the same
           // bits as the flat ReduceScatter), straight out of the mailboxes.
-          size_t start = 0;
-          for (size_t k = 0; k < outputs.size(); ++k) {
-            const size_t bytes = outputs[k].bytes();
-            const size_t end = start + bytes;
-            if (end > offset && start < offset + n) {
-              const size_t lo = std::max(start, offset);
-              const size_t hi = std::min(end, offset + n);
-              for (int p = 0; p < size; ++p) {
-                terms[p] = p == me
-                               ? static_cast<const char*>(inputs[me][k].data) +
-                                     (lo - start)
-                               : from[p] + (lo - offset);
-              }
-              ReduceBuffers(terms.data(), size,
-                            static_cast<int64_t>((hi - lo) / element), dtype,
-                            op,
-                            static_cast<char*>(outputs[k].data) + (lo - start));
-            }
-            if (end >= offset + n) break;
-            start = end;
-          }
+          ForEachPiece(
+              outputs, offset, n,
+              [&](size_t k, size_t in_segment, size_t in_range, size_t len) {
+                for (int p = 0; p < size; ++p) {
+                  terms[p] =
+                      p == me ? static_cast<const char*>(inputs[me][k].data) +
+                                    in_segment
+                              : from[p] + in_range;
+                }
+                ReduceBuffers(terms.data(), size,
+                              static_cast<int64_t>(len / element), dtype, op,
+                              static_cast<char*>(outputs[k].data) + in_segment);
+              });
           for (int p = 0; p < size; ++p) {
             if (p != me) r.ReleaseRecv(r.Pair(p, me));
           }
