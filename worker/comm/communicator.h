@@ -13,6 +13,7 @@
 #ifndef HSDP_WORKER_COMM_COMMUNICATOR_H_
 #define HSDP_WORKER_COMM_COMMUNICATOR_H_
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -109,7 +110,8 @@ class Communicator {
   // order, of their inputs[rank()][k] — the same sum, bit for bit, as
   // ReduceScatter of the concatenated segments. `scratch` receives the peers'
   // contributions: at least ReduceScatterScratchCount(total output count)
-  // elements. Outputs must not overlap the inputs.
+  // elements. outputs[k] may be inputs[rank()][k] itself (reduced in place);
+  // otherwise outputs must not overlap the inputs.
   virtual int64_t ReduceScatterScratchCount(int64_t output_count) const {
     return output_count * (size() - 1);
   }
@@ -119,6 +121,27 @@ class Communicator {
   virtual std::unique_ptr<Work> Broadcast(const Buffer& buffer, int root) = 0;
   virtual std::unique_ptr<Work> Barrier() = 0;
 };
+
+// For backends: walks the concatenation of `segments` (byte offsets).
+// Calls fn(k, in_segment, in_range, len) for each piece of the concatenation
+// of `segments` that overlaps bytes [offset, offset + n): `len` bytes of
+// segment k, starting `in_segment` bytes into it and `in_range` bytes into
+// the range.
+template <typename Fn>
+void ForEachSegmentPiece(const std::vector<Buffer>& segments, size_t offset,
+                         size_t n, Fn&& fn) {
+  size_t start = 0;
+  for (size_t k = 0; k < segments.size(); ++k) {
+    const size_t end = start + segments[k].bytes();
+    if (end > offset && start < offset + n) {
+      const size_t from = std::max(start, offset);
+      const size_t to = std::min(end, offset + n);
+      fn(k, from - start, from - offset, to - from);
+    }
+    if (end >= offset + n) break;
+    start = end;
+  }
+}
 
 // For backends: a Work already finished with `status` (argument errors found
 // at issue, unsupported calls).

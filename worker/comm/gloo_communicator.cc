@@ -30,6 +30,10 @@
 namespace hsdp::comm {
 namespace {
 
+// ReduceScatterSegments moves each stream in size-1 parts, one round each, so
+// the peers' contributions need one output's worth of scratch, not size-1.
+int Rounds(int size) { return std::max(1, size - 1); }
+
 // Slot prefix of the segment collectives' point-to-point messages; Gloo's own
 // algorithms use other prefixes, and the tag (issue counter) separates calls.
 constexpr uint8_t kSegmentSlotPrefix = 0x5e;
@@ -498,6 +502,13 @@ std::unique_ptr<Work> GlooCommunicator::AllGatherSegments(
                  });
 }
 
+int64_t GlooCommunicator::ReduceScatterScratchCount(
+    int64_t output_count) const {
+  if (size_ == 1) return 0;
+  const int rounds = Rounds(size_);
+  return (size_ - 1) * ((output_count + rounds - 1) / rounds);
+}
+
 std::unique_ptr<Work> GlooCommunicator::ReduceScatterSegments(
     const std::vector<std::vector<Buffer>>& inputs,
     const std::vector<Buffer>& outputs, const Buffer& scratch, ReduceOp op) {
@@ -509,11 +520,12 @@ std::unique_ptr<Work> GlooCommunicator::ReduceScatterSegments(
   }
   const int64_t total = TotalCount(outputs);
   const DataType dtype = outputs.empty() ? scratch.dtype : outputs[0].dtype;
-  if (scratch.dtype != dtype || scratch.count < total * (size_ - 1)) {
+  const int64_t needed = ReduceScatterScratchCount(total);
+  if (scratch.dtype != dtype || scratch.count < needed) {
     return Failed(absl::InvalidArgumentError(
         absl::StrCat(where, ": scratch holds ", scratch.count, " ",
-                     DataTypeName(scratch.dtype), ", needs ",
-                     total * (size_ - 1), " ", DataTypeName(dtype))));
+                     DataTypeName(scratch.dtype), ", needs ", needed, " ",
+                     DataTypeName(dtype))));
   }
   return Enqueue(
       absl::StrCat("ReduceScatterSegments(", outputs.size(), " segments, ",
@@ -521,38 +533,59 @@ std::unique_ptr<Work> GlooCommunicator::ReduceScatterSegments(
                    " B/rank, ", DataTypeName(dtype), ")"),
       [inputs, outputs, scratch, total, dtype, op](Core& core, uint32_t tag) {
         const size_t element = ElementSize(dtype);
-        const size_t scratch_bytes =
-            static_cast<size_t>(total) * element * (core.size - 1);
+        const int rounds = Rounds(core.size);
+        // Round j moves part j of every stream (elements [E*j/R, E*(j+1)/R)
+        // of a rank's E output elements): the peers' parts of ours land in
+        // scratch slot s (s counts the peers in rank order), then are summed.
+        auto part = [rounds, element](int64_t elements, int j) {
+          const size_t lo = static_cast<size_t>(elements * j / rounds);
+          const size_t hi = static_cast<size_t>(elements * (j + 1) / rounds);
+          return std::pair<size_t, size_t>(lo * element, (hi - lo) * element);
+        };
+        const size_t slot_bytes =
+            static_cast<size_t>((total + rounds - 1) / rounds) * element;
         char* base = static_cast<char*>(scratch.data);
-        // Peer p's contributions land packed in slot j of scratch (j counts
-        // the peers in rank order).
+        const size_t scratch_bytes = slot_bytes * (core.size - 1);
         auto slot_of = [&core](int p) { return p < core.rank ? p : p - 1; };
-        PointToPoint messages(*core.context, tag, core.orphans, core.timeout);
-        for (int p = 0; p < core.size; ++p) {
-          if (p == core.rank) continue;
-          for (const Buffer& in : inputs[p]) {
-            messages.Send(in.data, in.bytes(), {p});
-          }
-          size_t offset = static_cast<size_t>(slot_of(p)) * total * element;
-          for (const Buffer& out : outputs) {
-            messages.Recv(base, scratch_bytes, offset, out.bytes(), p);
-            offset += out.bytes();
-          }
-        }
-        messages.WaitAll();
         std::vector<const void*> terms(static_cast<size_t>(core.size));
-        size_t offset = 0;
-        for (size_t k = 0; k < outputs.size(); ++k) {
-          for (int r = 0; r < core.size; ++r) {
-            terms[r] =
-                r == core.rank
-                    ? inputs[r][k].data
-                    : base + static_cast<size_t>(slot_of(r)) * total * element +
-                          offset;
+        for (int j = 0; j < rounds; ++j) {
+          PointToPoint messages(*core.context, tag, core.orphans, core.timeout);
+          for (int p = 0; p < core.size; ++p) {
+            if (p == core.rank) continue;
+            const auto [to_offset, to_bytes] = part(TotalCount(inputs[p]), j);
+            ForEachSegmentPiece(
+                inputs[p], to_offset, to_bytes,
+                [&](size_t k, size_t in_segment, size_t, size_t len) {
+                  messages.Send(
+                      static_cast<char*>(inputs[p][k].data) + in_segment, len,
+                      {p});
+                });
+            const auto [from_offset, from_bytes] = part(total, j);
+            const size_t slot = static_cast<size_t>(slot_of(p)) * slot_bytes;
+            ForEachSegmentPiece(
+                outputs, from_offset, from_bytes,
+                [&](size_t, size_t, size_t in_range, size_t len) {
+                  messages.Recv(base, scratch_bytes, slot + in_range, len, p);
+                });
           }
-          ReduceBuffers(terms.data(), core.size, outputs[k].count, dtype, op,
-                        outputs[k].data);
-          offset += outputs[k].bytes();
+          messages.WaitAll();
+          const auto [offset, bytes] = part(total, j);
+          ForEachSegmentPiece(
+              outputs, offset, bytes,
+              [&](size_t k, size_t in_segment, size_t in_range, size_t len) {
+                for (int r = 0; r < core.size; ++r) {
+                  terms[r] =
+                      r == core.rank
+                          ? static_cast<const char*>(inputs[r][k].data) +
+                                in_segment
+                          : base +
+                                static_cast<size_t>(slot_of(r)) * slot_bytes +
+                                in_range;
+                }
+                ReduceBuffers(terms.data(), core.size,
+                              static_cast<int64_t>(len / element), dtype, op,
+                              static_cast<char*>(outputs[k].data) + in_segment);
+              });
         }
       });
 }

@@ -107,6 +107,9 @@ class GlooCommunicator final : public Communicator {
   // straight from and into the caller's memory (every rank sends its segments
   // to every peer: the bytes of a ring, no staging copy).
   bool SupportsSegments() const override { return true; }
+  // The reduce-scatter runs in size()-1 rounds, so its scratch is about one
+  // output's worth (size()-1 parts of 1/(size()-1) each).
+  int64_t ReduceScatterScratchCount(int64_t output_count) const override;
   std::unique_ptr<Work> AllGatherSegments(
       const std::vector<Buffer>& inputs,
       const std::vector<std::vector<Buffer>>& outputs) override;

@@ -8,8 +8,8 @@
 namespace hsdp::comm {
 namespace {
 
-// bf16/fp16 are summed tile by tile in a float accumulator small enough to stay
-// in L1.
+// Reductions run tile by tile through an accumulator small enough to stay in
+// L1 (bf16/fp16 accumulate in float).
 constexpr int64_t kTileElements = 2048;
 
 uint32_t FloatBits(float value) {
@@ -24,19 +24,26 @@ float BitsToFloat(uint32_t bits) {
   return value;
 }
 
+// Tile by tile through an accumulator that stays in L1: `out` may then be any
+// one of the inputs exactly (an in-place reduce-scatter sums into this rank's
+// own contribution), since each tile is read in full before it is written.
 template <typename T>
 void ReduceNative(const void* const* inputs, int num_inputs, int64_t count,
                   ReduceOp op, T* out) {
-  const T* first = static_cast<const T*>(inputs[0]);
-  if (out != first)
-    std::memmove(out, first, static_cast<size_t>(count) * sizeof(T));
-  for (int k = 1; k < num_inputs; ++k) {
-    const T* in = static_cast<const T*>(inputs[k]);
-    for (int64_t i = 0; i < count; ++i) out[i] += in[i];
-  }
-  if (op == ReduceOp::kAvg) {
-    const T divisor = static_cast<T>(num_inputs);
-    for (int64_t i = 0; i < count; ++i) out[i] /= divisor;
+  T acc[kTileElements];
+  const T divisor = static_cast<T>(num_inputs);
+  for (int64_t begin = 0; begin < count; begin += kTileElements) {
+    const int64_t n = std::min(kTileElements, count - begin);
+    std::memcpy(acc, static_cast<const T*>(inputs[0]) + begin,
+                static_cast<size_t>(n) * sizeof(T));
+    for (int k = 1; k < num_inputs; ++k) {
+      const T* in = static_cast<const T*>(inputs[k]) + begin;
+      for (int64_t i = 0; i < n; ++i) acc[i] += in[i];
+    }
+    if (op == ReduceOp::kAvg) {
+      for (int64_t i = 0; i < n; ++i) acc[i] /= divisor;
+    }
+    std::memcpy(out + begin, acc, static_cast<size_t>(n) * sizeof(T));
   }
 }
 

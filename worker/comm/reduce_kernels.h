@@ -25,7 +25,8 @@ void ReduceChunks(const void* chunks, int num_chunks, int64_t count,
                   DataType dtype, ReduceOp op, void* out);
 // The same over `num_inputs` separate buffers of `count` elements each:
 // out = inputs[0] + inputs[1] + ... (left to right, same rounding as
-// ReduceChunks). `out` may be inputs[0] but must not overlap the others.
+// ReduceChunks). `out` may be exactly one of the inputs (in place) but must not
+// otherwise overlap them.
 void ReduceBuffers(const void* const* inputs, int num_inputs, int64_t count,
                    DataType dtype, ReduceOp op, void* out);
 

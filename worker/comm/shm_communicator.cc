@@ -272,46 +272,27 @@ class ShmCommunicator::Region {
 
 namespace {
 
-// Calls fn(k, in_segment, in_range, len) for each piece of the concatenation
-// of `segments` that overlaps bytes [offset, offset + n): `len` bytes of
-// segment k, starting `in_segment` bytes into it and `in_range` bytes into
-// the range.
-template <typename Fn>
-void ForEachPiece(const std::vector<Buffer>& segments, size_t offset, size_t n,
-                  Fn&& fn) {
-  size_t start = 0;
-  for (size_t k = 0; k < segments.size(); ++k) {
-    const size_t end = start + segments[k].bytes();
-    if (end > offset && start < offset + n) {
-      const size_t from = std::max(start, offset);
-      const size_t to = std::min(end, offset + n);
-      fn(k, from - start, from - offset, to - from);
-    }
-    if (end >= offset + n) break;
-    start = end;
-  }
-}
-
 // Copies bytes [offset, offset + n) of the concatenation of `segments` to
 // `dst` (gather) or from `src` into it (scatter).
 void Gather(const std::vector<Buffer>& segments, size_t offset, size_t n,
             char* dst) {
-  ForEachPiece(segments, offset, n,
-               [&](size_t k, size_t in_segment, size_t in_range, size_t len) {
-                 std::memcpy(
-                     dst + in_range,
-                     static_cast<const char*>(segments[k].data) + in_segment,
-                     len);
-               });
+  ForEachSegmentPiece(
+      segments, offset, n,
+      [&](size_t k, size_t in_segment, size_t in_range, size_t len) {
+        std::memcpy(dst + in_range,
+                    static_cast<const char*>(segments[k].data) + in_segment,
+                    len);
+      });
 }
 
 void Scatter(const char* src, size_t offset, size_t n,
              const std::vector<Buffer>& segments) {
-  ForEachPiece(segments, offset, n,
-               [&](size_t k, size_t in_segment, size_t in_range, size_t len) {
-                 std::memcpy(static_cast<char*>(segments[k].data) + in_segment,
-                             src + in_range, len);
-               });
+  ForEachSegmentPiece(
+      segments, offset, n,
+      [&](size_t k, size_t in_segment, size_t in_range, size_t len) {
+        std::memcpy(static_cast<char*>(segments[k].data) + in_segment,
+                    src + in_range, len);
+      });
 }
 
 size_t TotalBytes(const std::vector<Buffer>& segments) {
@@ -542,7 +523,7 @@ std::unique_ptr<Work> ShmCommunicator::ReduceScatterSegments(
           }
           // Sum chunk c segment by segment, terms in rank order (the same
           // bits as the flat ReduceScatter), straight out of the mailboxes.
-          ForEachPiece(
+          ForEachSegmentPiece(
               outputs, offset, n,
               [&](size_t k, size_t in_segment, size_t in_range, size_t len) {
                 for (int p = 0; p < size; ++p) {

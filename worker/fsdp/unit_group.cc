@@ -399,10 +399,12 @@ void UnitGroup::IssueReduceScatterSegments() {
   const at::TensorOptions options =
       at::TensorOptions().dtype(reduce_dtype_).device(core_->options.device);
   const int64_t chunk = FlatChunkNumel(ps);
-  // This rank's reduced chunk, in the flat path's padded layout (so the rest
-  // of the reduction is shared), and room for the peers' contributions if the
-  // backend receives them before summing.
-  rs_output_ = core_->buffers.Acquire(chunk, options);
+  // Without replicas the sum lands in place, in this rank's own rows of each
+  // gradient (no output buffer). HSDP all-reduces one flat chunk, so there the
+  // sum goes to a chunk in the flat path's padded layout. Either way, room for
+  // the peers' contributions if the backend receives them before summing.
+  rs_in_place_ = core_->replicate_size() == 1;
+  if (!rs_in_place_) rs_output_ = core_->buffers.Acquire(chunk, options);
   const int64_t scratch_count =
       core_->mesh.shard->ReduceScatterScratchCount(chunk);
   if (scratch_count > 0) {
@@ -437,7 +439,9 @@ void UnitGroup::IssueReduceScatterSegments() {
       inputs[r].push_back(
           comm::Buffer{static_cast<char*>(whole->data) + begin * row_bytes,
                        rows * p->row_numel(), whole->dtype});
-      if (r == rank) {
+      if (r == rank && rs_in_place_) {
+        outputs.push_back(inputs[r].back());
+      } else if (r == rank) {
         const int64_t valid = rows * p->row_numel();
         absl::StatusOr<comm::Buffer> out =
             ToBuffer(rs_output_.narrow(0, offset, valid));
@@ -492,10 +496,25 @@ void UnitGroup::FinishReduction() {
         WaitWork(rs_work_, &stats_.reduce_scatter_seconds, "reduce-scatter");
     if (!s.ok()) core_->Fail(s);
   }
+  if (rs_in_place_) {
+    // Each gradient's own rows now hold this rank's reduced shard.
+    const std::vector<ShardedParam*> ps = params();
+    for (size_t i = 0; i < ps.size(); ++i) {
+      if (!had_grad_[i]) continue;
+      ps[i]->AccumulateShardedGrad(
+          rs_grads_[i].narrow(0, ps[i]->row_offset(), ps[i]->valid_rows()));
+    }
+    had_grad_.clear();
+  }
   // The segments path is done reading the gradients.
   rs_grads_.clear();
   core_->in_flight_grad_bytes -= rs_grad_bytes_;
   rs_grad_bytes_ = 0;
+  if (rs_in_place_) {
+    rs_in_place_ = false;
+    ReleaseReductionBuffers();
+    return;
+  }
   // With one shard the input is already the (trivially) reduced chunk.
   at::Tensor& reduced = rs_output_.defined() ? rs_output_ : rs_input_;
   at::NoGradGuard no_grad;
@@ -537,7 +556,7 @@ void UnitGroup::ReleaseReductionBuffers() {
   if (rs_input_.defined()) {
     rs_output_.reset();  // a view of rs_input_: drop it before the pool checks
     core_->buffers.Release(rs_input_);
-  } else {  // segments path: both are pool buffers of their own
+  } else {  // segments path: pool buffers of their own (if any)
     core_->buffers.Release(rs_output_);
   }
   core_->buffers.Release(rs_scratch_);

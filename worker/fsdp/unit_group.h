@@ -227,6 +227,8 @@ class UnitGroup {
   // being sent (kept alive until the reduce-scatter completes).
   at::Tensor rs_scratch_;
   std::vector<at::Tensor> rs_grads_;
+  // The sum lands in each gradient's own rows (no replicas to all-reduce with).
+  bool rs_in_place_ = false;
   int64_t rs_grad_bytes_ = 0;
   std::unique_ptr<comm::Work> rs_work_;
   bool rs_all_reduce_ = false;

@@ -111,6 +111,33 @@ TEST(ReduceKernelsTest, HalfPrecisionConversions) {
   }
 }
 
+// In place into any one input (an in-place reduce-scatter sums into the rank's
+// own contribution, which is term 1 here), across several tiles: the same bits
+// as into a separate buffer.
+TEST(ReduceKernelsTest, ReduceBuffersInPlaceIntoAnyInput) {
+  constexpr int64_t kCount = 5000;  // more than two tiles
+  for (DataType dtype : {DataType::kFloat32, DataType::kBFloat16}) {
+    std::vector<std::vector<char>> terms(3);
+    for (int k = 0; k < 3; ++k) {
+      terms[k].resize(kCount * ElementSize(dtype));
+      for (int64_t i = 0; i < kCount; ++i) {
+        const float v = 1.0f / static_cast<float>(1 + i + 7 * k);
+        if (dtype == DataType::kFloat32) {
+          reinterpret_cast<float*>(terms[k].data())[i] = v;
+        } else {
+          reinterpret_cast<uint16_t*>(terms[k].data())[i] =
+              FloatToBFloat16(v);
+        }
+      }
+    }
+    const void* in[3] = {terms[0].data(), terms[1].data(), terms[2].data()};
+    std::vector<char> separate(terms[1].size());
+    ReduceBuffers(in, 3, kCount, dtype, ReduceOp::kAvg, separate.data());
+    ReduceBuffers(in, 3, kCount, dtype, ReduceOp::kAvg, terms[1].data());
+    EXPECT_EQ(separate, terms[1]) << DataTypeName(dtype);
+  }
+}
+
 TEST(ReduceKernelsTest, ReduceChunksSumsInRankOrder) {
   // fp32: ((c0 + c1) + c2) left to right, in place into chunk 0: 1e8 + 1 rounds
   // back to 1e8, so the result is 0 (another order would give 1).
