@@ -125,8 +125,7 @@ TEST(ReduceKernelsTest, ReduceBuffersInPlaceIntoAnyInput) {
         if (dtype == DataType::kFloat32) {
           reinterpret_cast<float*>(terms[k].data())[i] = v;
         } else {
-          reinterpret_cast<uint16_t*>(terms[k].data())[i] =
-              FloatToBFloat16(v);
+          reinterpret_cast<uint16_t*>(terms[k].data())[i] = FloatToBFloat16(v);
         }
       }
     }
