@@ -70,9 +70,11 @@ absl::StatusOr<std::unique_ptr<DeviceMesh>> DeviceMesh::Create(
 
 CommunicatorFactory GlooCommunicatorFactory(
     Store& store, std::shared_ptr<gloo::transport::Device> device,
-    absl::Duration timeout, bool shared_memory) {
-  return [&store, device = std::move(device), timeout,
-          shared_memory](const GroupSpec& group)
+    absl::Duration timeout, bool shared_memory,
+    std::function<void(const GroupSpec& group, const std::string& why)>
+        on_tcp_only) {
+  return [&store, device = std::move(device), timeout, shared_memory,
+          on_tcp_only = std::move(on_tcp_only)](const GroupSpec& group)
              -> absl::StatusOr<std::unique_ptr<Communicator>> {
     GlooCommunicatorOptions options;
     options.name = absl::StrCat("gloo:", group.kind);
@@ -85,7 +87,13 @@ CommunicatorFactory GlooCommunicatorFactory(
     if (!shared_memory) return gloo;
     ShmOptions shm;
     shm.timeout = timeout;
-    return ShmCommunicator::Wrap(store, group.prefix, std::move(gloo), shm);
+    std::string why;
+    absl::StatusOr<std::unique_ptr<Communicator>> wrapped =
+        ShmCommunicator::Wrap(store, group.prefix, std::move(gloo), shm, &why);
+    if (wrapped.ok() && !why.empty() && group.size > 1 && on_tcp_only) {
+      on_tcp_only(group, why);
+    }
+    return wrapped;
   };
 }
 

@@ -49,9 +49,13 @@ using CommunicatorFactory =
 // `shared_memory`, each group whose ranks can all map one shared region (one
 // host, one IPC namespace) is wrapped in a ShmCommunicator ("shm+gloo:shard").
 // `store` must outlive the factory calls.
+// `on_tcp_only` (optional) hears why a group of two or more ranks stays on
+// Gloo TCP when shared memory was asked for.
 CommunicatorFactory GlooCommunicatorFactory(
     Store& store, std::shared_ptr<gloo::transport::Device> device,
-    absl::Duration timeout, bool shared_memory = true);
+    absl::Duration timeout, bool shared_memory = true,
+    std::function<void(const GroupSpec& group, const std::string& why)>
+        on_tcp_only = nullptr);
 
 // Immutable after Create; the communicators follow the Communicator
 // thread-safety rules.

@@ -349,8 +349,17 @@ absl::StatusOr<std::unique_ptr<comm::DeviceMesh>> BuildMesh(
   comm::GlooDeviceOptions dev;
   dev.hostname = o.gloo_hostname;
   dev.iface = o.gloo_iface;
-  return comm::DeviceMesh::CreateGloo(shape, rank, store, "gloo", dev,
-                                      o.collective_timeout, o.shared_memory);
+  HSDP_ASSIGN_OR_RETURN(std::shared_ptr<gloo::transport::Device> gloo_device,
+                        comm::CreateGlooDevice(dev));
+  return comm::DeviceMesh::Create(
+      shape, rank, "gloo",
+      comm::GlooCommunicatorFactory(
+          store, std::move(gloo_device), o.collective_timeout, o.shared_memory,
+          [rank](const comm::GroupSpec& group, const std::string& why) {
+            LOG(INFO) << "rank " << rank << ": the " << group.kind
+                      << " group stays on Gloo TCP (no shared memory: " << why
+                      << ")";
+          }));
 }
 
 // The checkpoint step to resume from, or -1. Prefers the coordinator's record
