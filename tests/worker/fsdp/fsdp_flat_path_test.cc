@@ -1,10 +1,11 @@
-// The engine's two ways to move a unit's bytes give the same bits: the flat
-// path (copy-in to one flat buffer, AllGather / ReduceScatter, copy-out; what
-// NCCL takes) and the segments path (Gloo: AllGatherSegments /
-// ReduceScatterSegments straight into parameter storage). Every other CPU test
-// takes the segments path; here FlatOnlyCommunicator hides the segment support
-// of the same Gloo communicators, and GPT training on each mesh must give
-// bitwise identical losses and final parameters both ways.
+// The engine's ways to move a unit's bytes give the same bits: the flat path
+// (copy-in to one flat buffer, AllGather / ReduceScatter, copy-out; what NCCL
+// takes) and the segments path (AllGatherSegments / ReduceScatterSegments
+// straight into parameter storage) over either CPU transport — shared memory
+// (what every other CPU test takes) and Gloo TCP (ranks on different hosts).
+// FlatOnlyCommunicator hides the segment support of the same communicators;
+// GPT training on each mesh must give bitwise identical losses and final
+// parameters all three ways.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -197,10 +198,11 @@ TEST_P(FlatPathTest, FlatEqualsSegmentsBitwise) {
   // [policy][rank]
   std::vector<std::vector<GptRun>> segments(
       policies.size(), std::vector<GptRun>(shape.world_size()));
-  std::vector<std::vector<GptRun>> flat = segments;
+  std::vector<std::vector<GptRun>> flat = segments, tcp = segments;
   RunOnMesh(shape, [&](RankContext& ctx) {
     // The real communicators take the segments path...
     EXPECT_TRUE(ctx.mesh->shard().SupportsSegments());
+    EXPECT_EQ(ctx.mesh->shard().name().rfind("shm+", 0), 0u);
     for (size_t i = 0; i < policies.size(); ++i) {
       segments[i][ctx.rank] = TrainGpt(model_config, ctx.comms(), ctx.rank,
                                        shape.world_size(), policies[i].config);
@@ -216,22 +218,39 @@ TEST_P(FlatPathTest, FlatEqualsSegmentsBitwise) {
       if (shape.replicate > 1) EXPECT_GT(replicate.all_reduces(), 0);
     }
   });
+  // The segments path over Gloo TCP only.
+  RunOnMesh(
+      shape,
+      [&](RankContext& ctx) {
+        EXPECT_EQ(ctx.mesh->shard().name(), "gloo:shard");
+        for (size_t i = 0; i < policies.size(); ++i) {
+          tcp[i][ctx.rank] = TrainGpt(model_config, ctx.comms(), ctx.rank,
+                                      shape.world_size(), policies[i].config);
+        }
+      },
+      absl::Seconds(30), /*shared_memory=*/false);
   for (size_t i = 0; i < policies.size(); ++i) {
     SCOPED_TRACE(policies[i].name);
     for (int r = 0; r < shape.world_size(); ++r) {
       const std::vector<double>& seg = segments[i][r].losses;
       const std::vector<double>& fl = flat[i][r].losses;
+      const std::vector<double>& tc = tcp[i][r].losses;
       ASSERT_EQ(seg.size(), fl.size());
+      ASSERT_EQ(seg.size(), tc.size());
       for (size_t s = 0; s < seg.size(); ++s) {
         // EXPECT_EQ on doubles: exact.
         EXPECT_EQ(fl[s], seg[s])
             << "rank " << r << " step " << s << " diff " << (fl[s] - seg[s]);
+        EXPECT_EQ(tc[s], seg[s]) << "Gloo TCP, rank " << r << " step " << s
+                                 << " diff " << (tc[s] - seg[s]);
       }
     }
     const StateDict& seg = segments[i][0].params;
     const StateDict& fl = flat[i][0].params;
+    const StateDict& tc = tcp[i][0].params;
     ASSERT_FALSE(seg.empty());
     EXPECT_TRUE(BitwiseEqual(fl, seg)) << DescribeDifferences(fl, seg);
+    EXPECT_TRUE(BitwiseEqual(tc, seg)) << DescribeDifferences(tc, seg);
     // It trained (else equality would be vacuous).
     EXPECT_GT(MaxAbsDiff(seg, initial), 1e-4);
     EXPECT_NE(segments[i][0].losses.front(), segments[i][0].losses.back());

@@ -252,7 +252,7 @@ RunResult TrainReference(const StateDict& init, const RunConfig& config) {
 
 void RunOnMesh(comm::MeshShape shape,
                const std::function<void(RankContext&)>& fn,
-               absl::Duration timeout) {
+               absl::Duration timeout, bool shared_memory) {
   static std::atomic<int> run_counter{0};
   const std::string prefix = absl::StrCat("fsdp-test-", run_counter++);
   comm::InMemoryStore store;
@@ -263,7 +263,7 @@ void RunOnMesh(comm::MeshShape shape,
       device.hostname = "127.0.0.1";
       absl::StatusOr<std::unique_ptr<comm::DeviceMesh>> mesh =
           comm::DeviceMesh::CreateGloo(shape, rank, store, prefix, device,
-                                       timeout);
+                                       timeout, shared_memory);
       ASSERT_TRUE(mesh.ok()) << mesh.status();
       RankContext ctx;
       ctx.rank = rank;

@@ -173,10 +173,12 @@ struct RankContext {
   }
 };
 // Runs fn on every rank of a replicate × shard mesh (threads, Gloo over
-// 127.0.0.1).
+// 127.0.0.1; with `shared_memory`, the unit collectives of each group go
+// through ShmCommunicator, as on one host in production).
 void RunOnMesh(comm::MeshShape shape,
                const std::function<void(RankContext&)>& fn,
-               absl::Duration timeout = absl::Seconds(30));
+               absl::Duration timeout = absl::Seconds(30),
+               bool shared_memory = true);
 
 // max |a - b| over every tensor of two state dicts with equal keys (inf on a
 // mismatch).
