@@ -34,6 +34,35 @@ namespace {
 // the peers' contributions need one output's worth of scratch, not size-1.
 int Rounds(int size) { return std::max(1, size - 1); }
 
+// AllGatherSegments packs segments smaller than this into one message per
+// peer (a copy of a few KiB beats a Gloo round trip per segment).
+constexpr size_t kPackBelowBytes = size_t{64} << 10;
+
+// A segment list split for transfer: segments under kPackBelowBytes travel
+// packed together, the others on their own (empty ones not at all).
+struct SegmentSplit {
+  std::vector<Buffer> large;
+  std::vector<size_t> large_k;  // index in the full list of large[i]
+  std::vector<size_t> small_k;
+  size_t small_bytes = 0;
+};
+
+SegmentSplit SplitSegments(const std::vector<Buffer>& segments) {
+  SegmentSplit split;
+  for (size_t k = 0; k < segments.size(); ++k) {
+    const size_t bytes = segments[k].bytes();
+    if (bytes == 0) continue;
+    if (bytes < kPackBelowBytes) {
+      split.small_k.push_back(k);
+      split.small_bytes += bytes;
+    } else {
+      split.large.push_back(segments[k]);
+      split.large_k.push_back(k);
+    }
+  }
+  return split;
+}
+
 // Slot prefix of the segment collectives' point-to-point messages; Gloo's own
 // algorithms use other prefixes, and the tag (issue counter) separates calls.
 constexpr uint8_t kSegmentSlotPrefix = 0x5e;
@@ -475,31 +504,56 @@ std::unique_ptr<Work> GlooCommunicator::AllGatherSegments(
   }
   int64_t bytes = 0;
   for (const Buffer& b : inputs) bytes += static_cast<int64_t>(b.bytes());
-  return Enqueue(absl::StrCat("AllGatherSegments(", inputs.size(),
-                              " segments, ", bytes, " B/rank)"),
-                 [inputs, outputs](Core& core, uint32_t tag) {
-                   std::vector<int> peers;
-                   for (int p = 0; p < core.size; ++p) {
-                     if (p != core.rank) peers.push_back(p);
-                   }
-                   PointToPoint messages(*core.context, tag, core.orphans,
-                                         core.timeout);
-                   for (size_t k = 0; k < inputs.size(); ++k) {
-                     messages.Send(inputs[k].data, inputs[k].bytes(), peers);
-                   }
-                   for (int p : peers) {
-                     for (const Buffer& out : outputs[p]) {
-                       messages.Recv(out.data, out.bytes(), 0, out.bytes(), p);
-                     }
-                   }
-                   // Our own segments while the peers' arrive.
-                   for (size_t k = 0; k < inputs.size(); ++k) {
-                     const Buffer& own = outputs[core.rank][k];
-                     if (own.data != inputs[k].data && own.count > 0)
-                       std::memcpy(own.data, inputs[k].data, own.bytes());
-                   }
-                   messages.WaitAll();
-                 });
+  return Enqueue(
+      absl::StrCat("AllGatherSegments(", inputs.size(), " segments, ", bytes,
+                   " B/rank)"),
+      [inputs, outputs](Core& core, uint32_t tag) {
+        std::vector<int> peers;
+        for (int p = 0; p < core.size; ++p) {
+          if (p != core.rank) peers.push_back(p);
+        }
+        // Small segments (biases, norms) travel packed in one message per
+        // peer: each message costs Gloo a round trip, which dominates for a
+        // few hundred bytes.
+        const SegmentSplit split = SplitSegments(inputs);
+        const size_t packed_bytes = split.small_bytes;
+        // [0]: ours; [1 + i]: the i-th peer's.
+        std::vector<char> packed(packed_bytes * core.size);
+        size_t at = 0;
+        for (size_t k : split.small_k) {
+          std::memcpy(packed.data() + at, inputs[k].data, inputs[k].bytes());
+          at += inputs[k].bytes();
+        }
+        PointToPoint messages(*core.context, tag, core.orphans, core.timeout);
+        messages.Send(packed.data(), packed_bytes, peers);
+        for (const Buffer& in : split.large) {
+          messages.Send(in.data, in.bytes(), peers);
+        }
+        for (size_t i = 0; i < peers.size(); ++i) {
+          const int p = peers[i];
+          messages.Recv(packed.data(), packed.size(), (1 + i) * packed_bytes,
+                        packed_bytes, p);
+          for (size_t k : split.large_k) {
+            const Buffer& out = outputs[p][k];
+            messages.Recv(out.data, out.bytes(), 0, out.bytes(), p);
+          }
+        }
+        // Our own segments while the peers' arrive.
+        for (size_t k = 0; k < inputs.size(); ++k) {
+          const Buffer& own = outputs[core.rank][k];
+          if (own.data != inputs[k].data && own.count > 0)
+            std::memcpy(own.data, inputs[k].data, own.bytes());
+        }
+        messages.WaitAll();
+        for (size_t i = 0; i < peers.size(); ++i) {
+          size_t from = (1 + i) * packed_bytes;
+          for (size_t k : split.small_k) {
+            const Buffer& out = outputs[peers[i]][k];
+            std::memcpy(out.data, packed.data() + from, out.bytes());
+            from += out.bytes();
+          }
+        }
+      });
 }
 
 int64_t GlooCommunicator::ReduceScatterScratchCount(
@@ -534,49 +588,90 @@ std::unique_ptr<Work> GlooCommunicator::ReduceScatterSegments(
       [inputs, outputs, scratch, total, dtype, op](Core& core, uint32_t tag) {
         const size_t element = ElementSize(dtype);
         const int rounds = Rounds(core.size);
-        // Round j moves part j of every stream (elements [E*j/R, E*(j+1)/R)
-        // of a rank's E output elements): the peers' parts of ours land in
-        // scratch slot s (s counts the peers in rank order), then are summed.
+        const int me = core.rank;
+        // Each stream (our contributions to a peer, the peers' to us) is split
+        // by the receiver's segment sizes, which both ends know: small
+        // segments travel packed in one message in round 0, large ones
+        // straight from and into the caller's memory over the rounds.
+        const SegmentSplit mine = SplitSegments(outputs);
+        std::vector<SegmentSplit> to(static_cast<size_t>(core.size));
+        for (int p = 0; p < core.size; ++p) {
+          if (p != me) to[p] = SplitSegments(inputs[p]);
+        }
+        auto slot_of = [me](int p) { return p < me ? p : p - 1; };
+        std::vector<std::vector<char>> packed_out(core.size);
+        std::vector<char> packed_in(mine.small_bytes * (core.size - 1));
+        // Round j moves part j of every large stream (elements [E*j/R,
+        // E*(j+1)/R) of E): the peers' parts of ours land in scratch slot
+        // slot_of(p), then are summed.
         auto part = [rounds, element](int64_t elements, int j) {
           const size_t lo = static_cast<size_t>(elements * j / rounds);
           const size_t hi = static_cast<size_t>(elements * (j + 1) / rounds);
           return std::pair<size_t, size_t>(lo * element, (hi - lo) * element);
         };
+        const int64_t large_total = TotalCount(mine.large);
         const size_t slot_bytes =
             static_cast<size_t>((total + rounds - 1) / rounds) * element;
         char* base = static_cast<char*>(scratch.data);
         const size_t scratch_bytes = slot_bytes * (core.size - 1);
-        auto slot_of = [&core](int p) { return p < core.rank ? p : p - 1; };
         std::vector<const void*> terms(static_cast<size_t>(core.size));
         for (int j = 0; j < rounds; ++j) {
           PointToPoint messages(*core.context, tag, core.orphans, core.timeout);
           for (int p = 0; p < core.size; ++p) {
-            if (p == core.rank) continue;
-            const auto [to_offset, to_bytes] = part(TotalCount(inputs[p]), j);
+            if (p == me) continue;
+            if (j == 0 && !to[p].small_k.empty()) {
+              packed_out[p].resize(to[p].small_bytes);
+              size_t at = 0;
+              for (size_t k : to[p].small_k) {
+                std::memcpy(packed_out[p].data() + at, inputs[p][k].data,
+                            inputs[p][k].bytes());
+                at += inputs[p][k].bytes();
+              }
+              messages.Send(packed_out[p].data(), at, {p});
+            }
+            if (j == 0 && !mine.small_k.empty()) {
+              messages.Recv(packed_in.data(), packed_in.size(),
+                            slot_of(p) * mine.small_bytes, mine.small_bytes, p);
+            }
+            const auto [to_offset, to_bytes] = part(TotalCount(to[p].large), j);
             ForEachSegmentPiece(
-                inputs[p], to_offset, to_bytes,
-                [&](size_t k, size_t in_segment, size_t, size_t len) {
+                to[p].large, to_offset, to_bytes,
+                [&](size_t i, size_t in_segment, size_t, size_t len) {
                   messages.Send(
-                      static_cast<char*>(inputs[p][k].data) + in_segment, len,
+                      static_cast<char*>(to[p].large[i].data) + in_segment, len,
                       {p});
                 });
-            const auto [from_offset, from_bytes] = part(total, j);
+            const auto [from_offset, from_bytes] = part(large_total, j);
             const size_t slot = static_cast<size_t>(slot_of(p)) * slot_bytes;
             ForEachSegmentPiece(
-                outputs, from_offset, from_bytes,
+                mine.large, from_offset, from_bytes,
                 [&](size_t, size_t, size_t in_range, size_t len) {
                   messages.Recv(base, scratch_bytes, slot + in_range, len, p);
                 });
           }
           messages.WaitAll();
-          const auto [offset, bytes] = part(total, j);
+          if (j == 0) {
+            size_t at = 0;
+            for (size_t k : mine.small_k) {
+              for (int r = 0; r < core.size; ++r) {
+                terms[r] = r == me ? inputs[me][k].data
+                                   : packed_in.data() +
+                                         slot_of(r) * mine.small_bytes + at;
+              }
+              ReduceBuffers(terms.data(), core.size, outputs[k].count, dtype,
+                            op, outputs[k].data);
+              at += outputs[k].bytes();
+            }
+          }
+          const auto [offset, bytes] = part(large_total, j);
           ForEachSegmentPiece(
-              outputs, offset, bytes,
-              [&](size_t k, size_t in_segment, size_t in_range, size_t len) {
+              mine.large, offset, bytes,
+              [&](size_t i, size_t in_segment, size_t in_range, size_t len) {
+                const size_t k = mine.large_k[i];
                 for (int r = 0; r < core.size; ++r) {
                   terms[r] =
-                      r == core.rank
-                          ? static_cast<const char*>(inputs[r][k].data) +
+                      r == me
+                          ? static_cast<const char*>(inputs[me][k].data) +
                                 in_segment
                           : base +
                                 static_cast<size_t>(slot_of(r)) * slot_bytes +

@@ -29,8 +29,10 @@ constexpr absl::Duration kShortTimeout = absl::Seconds(1);
 constexpr absl::Duration kSlack = absl::Seconds(3);
 
 // Segment sizes of a unit-like layout: uneven, one empty (a parameter whose
-// rows all fall in other ranks' padding).
-const std::vector<int64_t> kSegmentCounts = {5, 0, 17, 1, 64};
+// rows all fall in other ranks' padding), small ones (Gloo packs those into
+// one message) around large ones (sent on their own, over several rounds or
+// shared-memory slots).
+const std::vector<int64_t> kSegmentCounts = {5, 0, 17, 70001, 1, 64, 40000};
 
 // Rank r's count of segment k when every segment is "padded" like a dim-0
 // shard: the last rank holds 2 elements fewer of the segments that have them.
