@@ -7,10 +7,12 @@
 // reduced shard is then all-reduced across the replicate group.
 //
 // Two ways to move a unit's bytes, chosen per communicator:
-//  - segments (Gloo): the all-gather sends each local shard and receives every
-//    peer's piece straight into the unsharded parameter storage (allocated
-//    when the gather is issued); the reduce-scatter sends each gradient's rows
-//    straight from the gradient. No flat staging buffer, no copy-in/copy-out.
+//  - segments (CPU: Gloo TCP, shared memory): the all-gather sends each local
+//    shard and receives every peer's piece straight into the unsharded
+//    parameter storage (allocated when the gather is issued); the
+//    reduce-scatter sends each gradient's rows straight from the gradient and,
+//    without replicas, sums into this rank's own rows in place. No flat
+//    staging buffer, no copy-in/copy-out.
 //  - flat (NCCL, whose collectives take one contiguous buffer): copy-in to a
 //    flat buffer of S chunks, the collective in place, copy-out (FSDP2's way).
 // Both sum in rank order, so they give the same bits. Collectives are issued
