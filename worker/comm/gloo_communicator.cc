@@ -184,7 +184,8 @@ struct GlooCommunicator::Core {
   }
 
   // Converts the in-flight exception of a failed collective into a Status.
-  absl::Status CurrentExceptionToStatus(const std::string& what) const;
+  // `where` is the collective's error prefix (Describe of its name).
+  absl::Status CurrentExceptionToStatus(const std::string& where) const;
 
   const std::shared_ptr<gloo::Context> context;
   const std::string name;
@@ -389,8 +390,7 @@ std::string GlooCommunicator::Describe(const std::string& what) const {
 }
 
 absl::Status GlooCommunicator::Core::CurrentExceptionToStatus(
-    const std::string& what) const {
-  const std::string where = Describe(what);
+    const std::string& where) const {
   try {
     throw;
   } catch (const gloo::IoException& e) {

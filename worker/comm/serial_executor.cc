@@ -69,7 +69,7 @@ struct SerialExecutor::State {
           0);
     } else {
       const absl::Time start = absl::Now();
-      absl::Status status = task.run(task.tag, task.what);
+      absl::Status status = task.run(task.tag, describe(task.what));
       if (!status.ok()) broken = status;
       task.work->Complete(std::move(status),
                           absl::ToDoubleSeconds(absl::Now() - start));

@@ -31,9 +31,9 @@ class SerialExecutor {
  public:
   // `tag` is the task's issue number (0, 1, ...): the same on every rank by
   // the ordering contract, so backends use it to tell collectives apart;
-  // `what` is the task's name for errors ("<what> #<tag>").
+  // `where` is the task's error prefix (`describe` of "<what> #<tag>").
   using Task =
-      std::function<absl::Status(uint64_t tag, const std::string& what)>;
+      std::function<absl::Status(uint64_t tag, const std::string& where)>;
 
   // `describe` turns a task name into its error prefix, e.g. "AllGather #3 on
   // gloo:shard (rank 0 of 2)".

@@ -436,12 +436,10 @@ std::unique_ptr<Work> ShmCommunicator::AllGatherSegments(
   return executor_.Enqueue(
       absl::StrCat("AllGatherSegments(", inputs.size(), " segments, ", total,
                    " B/rank)"),
-      [region = region_, inputs, outputs, total, name = name_](
-          uint64_t, const std::string& what) -> absl::Status {
+      [region = region_, inputs, outputs, total](
+          uint64_t, const std::string& where) -> absl::Status {
         Region& r = *region;
         const int me = r.rank(), size = r.size();
-        const std::string where =
-            absl::StrCat(what, " on ", name, " (rank ", me, " of ", size, ")");
         const size_t chunk = r.slot_bytes();
         for (size_t k = 0; k < inputs.size(); ++k) {
           const Buffer& own = outputs[me][k];
@@ -486,12 +484,10 @@ std::unique_ptr<Work> ShmCommunicator::ReduceScatterSegments(
   return executor_.Enqueue(
       absl::StrCat("ReduceScatterSegments(", outputs.size(), " segments, ",
                    total, " B/rank, ", DataTypeName(dtype), ")"),
-      [region = region_, inputs, outputs, total, dtype, op, name = name_](
-          uint64_t, const std::string& what) -> absl::Status {
+      [region = region_, inputs, outputs, total, dtype, op](
+          uint64_t, const std::string& where) -> absl::Status {
         Region& r = *region;
         const int me = r.rank(), size = r.size();
-        const std::string where =
-            absl::StrCat(what, " on ", name, " (rank ", me, " of ", size, ")");
         const size_t chunk = r.slot_bytes();
         const size_t element = ElementSize(dtype);
         std::vector<size_t> to_peer(size);

@@ -101,12 +101,8 @@ GptRun TrainGpt(const models::GptConfig& model_config, MeshComms comms,
                 int dp_rank, int dp_size, const RunConfig& config) {
   GptRun result;
   models::Gpt gpt(model_config, kSeed);
-  EngineOptions options;
-  options.mixed_precision = config.mixed_precision;
-  options.offload.offload_params = config.offload;
-  options.reshard_after_forward = config.reshard_after_forward;
   absl::StatusOr<std::unique_ptr<Engine>> created =
-      Engine::Create(gpt.ptr(), comms, options);
+      Engine::Create(gpt.ptr(), comms, EngineOptionsFor(config));
   EXPECT_TRUE(created.ok()) << created.status();
   if (!created.ok()) return result;
   std::unique_ptr<Engine> engine = std::move(*created);

@@ -124,14 +124,18 @@ hsdp::v1::StepSchedule MakeSchedule(int num_units, const RunConfig& config) {
   return schedule;
 }
 
-std::unique_ptr<Engine> MakeEngine(TinyTransformer& model, MeshComms comms,
-                                   const RunConfig& config) {
+EngineOptions EngineOptionsFor(const RunConfig& config) {
   EngineOptions options;
   options.mixed_precision = config.mixed_precision;
   options.offload.offload_params = config.offload;
   options.reshard_after_forward = config.reshard_after_forward;
+  return options;
+}
+
+std::unique_ptr<Engine> MakeEngine(TinyTransformer& model, MeshComms comms,
+                                   const RunConfig& config) {
   absl::StatusOr<std::unique_ptr<Engine>> engine =
-      Engine::Create(model.ptr(), comms, options);
+      Engine::Create(model.ptr(), comms, EngineOptionsFor(config));
   EXPECT_TRUE(engine.ok()) << engine.status();
   for (size_t i = 0; i < model->blocks.size(); ++i) {
     absl::StatusOr<int> index = (*engine)->FullyShard(

@@ -102,6 +102,9 @@ struct RunResult {
 
 hsdp::v1::StepSchedule MakeSchedule(int num_units, const RunConfig& config);
 
+// The engine options a RunConfig asks for (mixed precision, offload, the
+// default reshard after forward).
+EngineOptions EngineOptionsFor(const RunConfig& config);
 // Builds the engine over `model` (one unit per block + root).
 std::unique_ptr<Engine> MakeEngine(TinyTransformer& model, MeshComms comms,
                                    const RunConfig& config);
