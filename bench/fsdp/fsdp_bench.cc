@@ -258,7 +258,7 @@ void CollectiveThroughput(const models::GptConfig& config, const Flags& flags,
   constexpr int kWorld = 2;
   RunRanks(kWorld, transport, [&](int rank, comm::DeviceMesh& mesh) {
     ShardedGpt sharded(config, mesh);
-    EngineCore& core = sharded.engine->core();
+    EngineCore& core = CoreOf(*sharded.engine);
     UnitGroup& unit = *core.units[1];  // a block: the largest unit
     const int64_t chunk = FlatChunkNumel(unit.params());
     const double bytes = chunk * kWorld * 4.0;

@@ -9,6 +9,8 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/mesh.h"
+#include "hsdp/v1/common.pb.h"
 #include "hsdp/v1/schedule.pb.h"
 #include "worker/fsdp/hooks.h"
 #include "worker/fsdp/unit_group.h"
@@ -155,6 +157,61 @@ absl::StatusOr<std::unique_ptr<UnitGroup>> BuildUnit(
                                          core.options.reshard_after_forward));
 }
 
+bool UnderPrefix(const std::string& name, const std::string& prefix) {
+  return prefix.empty() || (name.size() > prefix.size() &&
+                            name.compare(0, prefix.size(), prefix) == 0 &&
+                            name[prefix.size()] == '.');
+}
+
+// A unit's parameters are gathered only while the unit runs: one that a module
+// outside the unit also uses (another unit, or the root's own modules) would
+// be read while freed. Such shared (tied) parameters must belong to the root
+// unit, which stays gathered through the whole forward and backward.
+absl::Status CheckNotShared(
+    const EngineCore& core,
+    const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
+    const std::string& name) {
+  std::set<const torch::nn::Module*> wanted;
+  for (const auto& m : modules) wanted.insert(m.get());
+  std::vector<std::string> prefixes;
+  std::set<const torch::nn::Module*> found;
+  for (const auto& item : core.root->named_modules()) {
+    if (wanted.count(item.value().get()) &&
+        found.insert(item.value().get()).second)
+      prefixes.push_back(item.key());
+  }
+  if (found.size() != wanted.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "unit ", name, ": a module is not registered under the root module"));
+  }
+  std::set<const c10::TensorImpl*> params;
+  for (const auto& m : modules) {
+    for (const at::Tensor& t : m->parameters(/*recurse=*/true))
+      params.insert(t.unsafeGetTensorImpl());
+  }
+  const ClaimContext ctx = MakeClaimContext(core);
+  for (const auto& item : core.root->named_parameters(/*recurse=*/true)) {
+    const c10::TensorImpl* impl = item.value().unsafeGetTensorImpl();
+    if (!params.count(impl)) continue;
+    if (ctx.claimed.count(impl)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "unit ", name, ": parameter ", item.key(),
+          " already belongs to an earlier unit; a parameter shared by several "
+          "units must belong to the root unit"));
+    }
+    bool inside = false;
+    for (const std::string& prefix : prefixes)
+      inside = inside || UnderPrefix(item.key(), prefix);
+    if (!inside) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "unit ", name, ": one of its parameters is also ", item.key(),
+          ", outside the unit; a parameter shared with other modules must "
+          "belong to the root unit"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<int> Engine::FullyShard(
@@ -178,6 +235,7 @@ absl::StatusOr<int> Engine::FullyShard(
     for (const at::Tensor& t : m->parameters(/*recurse=*/true))
       candidates.push_back(t);
   }
+  if (absl::Status s = CheckNotShared(*core_, modules, name); !s.ok()) return s;
   const int index = static_cast<int>(core_->units.size());
   absl::StatusOr<std::unique_ptr<UnitGroup>> unit =
       BuildUnit(*core_, index, name, candidates, options);
@@ -341,9 +399,45 @@ std::vector<std::pair<std::string, at::Tensor>> Engine::NamedParameters()
 
 absl::Status Engine::status() const { return core_->status; }
 
-at::Tensor Checkpoint(Engine& engine, const TensorFn& fn,
-                      const at::Tensor& input) {
-  return CheckpointApply(&engine.core(), fn, input);
+at::Tensor Recompute(Engine& engine, const TensorFn& fn,
+                     const at::Tensor& input) {
+  return CheckpointApply(&CoreOf(engine), fn, input);
+}
+
+EngineCore& CoreOf(Engine& engine) { return *engine.core_; }
+const EngineCore& CoreOf(const Engine& engine) { return *engine.core_; }
+
+UnitInfo DescribeUnit(
+    const std::string& name,
+    const std::vector<std::pair<std::string, at::Tensor>>& params,
+    const EngineOptions& options, int shard_size) {
+  UnitInfo info;
+  info.name = name;
+  info.num_params = static_cast<int64_t>(params.size());
+  for (const auto& [fqn, t] : params) {
+    const int64_t numel = t.numel();
+    const c10::ScalarType master = t.scalar_type();
+    const c10::ScalarType compute =
+        options.mixed_precision.param_dtype.value_or(master);
+    info.numel += numel;
+    info.bytes += numel * static_cast<int64_t>(c10::elementSize(master));
+    info.unsharded_bytes +=
+        numel * static_cast<int64_t>(c10::elementSize(compute));
+    const int64_t rows = t.dim() == 0 ? 1 : t.size(0);
+    const int64_t row_numel = rows == 0 ? 0 : numel / rows;
+    info.sharded_bytes += PaddedShardRows(rows, shard_size) * row_numel *
+                          static_cast<int64_t>(c10::elementSize(master));
+    info.param_names.push_back(fqn);
+  }
+  return info;
+}
+
+hsdp::v1::UnitInfo ToProto(const UnitInfo& info) {
+  hsdp::v1::UnitInfo out;
+  out.set_name(info.name);
+  out.set_param_count(info.numel);
+  out.set_param_bytes(info.bytes);
+  return out;
 }
 
 }  // namespace hsdp::fsdp

@@ -37,8 +37,8 @@
 // Engine::status(), and Apply refuses to go on. Catch c10::Error around the
 // step and end the generation.
 //
-// `FullyShard<M>` wraps a module holder so `wrapped(x)` is
-// `unit.Forward(x, module->forward)`. Activation recompute: `Checkpoint(engine,
+// `ShardedModule<M>` wraps a module holder so `wrapped(x)` is
+// `unit.Forward(x, module->forward)`. Activation recompute: `Recompute(engine,
 // fn, x)` reruns fn (and the unit Forward inside it) in backward.
 //
 // Numerics: gradients are averaged over all ranks (shard × replicate), so each
@@ -75,6 +75,7 @@ class Module;
 
 namespace hsdp::v1 {
 class StepSchedule;
+class UnitInfo;
 }  // namespace hsdp::v1
 
 namespace hsdp::fsdp {
@@ -127,11 +128,14 @@ struct UnitOptions {
   std::vector<at::Tensor> ignored_params;
 };
 
-// Static description of a unit (what the worker reports when it joins).
+// Static description of a unit. ToProto gives what the worker reports when it
+// joins (hsdp.v1.UnitInfo).
 struct UnitInfo {
   std::string name;
   int64_t num_params = 0;  // parameter tensors
   int64_t numel = 0;       // elements of the unsharded parameters
+  // Bytes of the unsharded parameters in their own (master) dtype.
+  int64_t bytes = 0;
   // Bytes of the unsharded parameters in param_dtype.
   int64_t unsharded_bytes = 0;
   // Bytes of this rank's padded shards (the master copy).
@@ -254,24 +258,22 @@ class Engine {
   // issuing collectives.
   absl::Status status() const;
 
-  // Internal state shared with the hooks and helpers.
-  EngineCore& core() { return *core_; }
-  const EngineCore& core() const { return *core_; }
-
  private:
+  friend EngineCore& CoreOf(Engine& engine);
+  friend const EngineCore& CoreOf(const Engine& engine);
   explicit Engine(std::unique_ptr<EngineCore> core);
   std::unique_ptr<EngineCore> core_;
   std::vector<std::unique_ptr<UnitHandle>> handles_;
 };
 
 // A module holder wrapped so that calling it enters its unit:
-//   FullyShard<Block> block(engine->Unit(1), model->layers[0]);
+//   ShardedModule<Block> block(engine->Unit(1), model->layers[0]);
 //   at::Tensor y = block(x);
 // Thread-compatible, like the Engine whose unit it enters.
 template <typename ModuleHolder>
-class FullyShard {
+class ShardedModule {
  public:
-  FullyShard(UnitHandle& unit, ModuleHolder module)
+  ShardedModule(UnitHandle& unit, ModuleHolder module)
       : unit_(&unit), module_(std::move(module)) {}
   at::Tensor operator()(const at::Tensor& x) {
     return unit_->Forward(
@@ -289,8 +291,20 @@ class FullyShard {
 // without forward prefetch. `input` must require grad (as a block's hidden
 // state does), or no backward runs through fn; fn may run again after the
 // caller returned, so capture by value what does not outlive the step.
-at::Tensor Checkpoint(Engine& engine, const TensorFn& fn,
-                      const at::Tensor& input);
+at::Tensor Recompute(Engine& engine, const TensorFn& fn,
+                     const at::Tensor& input);
+
+// What FullyShard / FullyShardRoot record for a unit of these parameters (fully
+// qualified names under the root; any device, meta included; the master dtype),
+// for `shard_size` ranks, without sharding anything: Engine::Units() reports
+// exactly this for every unit.
+UnitInfo DescribeUnit(
+    const std::string& name,
+    const std::vector<std::pair<std::string, at::Tensor>>& params,
+    const EngineOptions& options, int shard_size);
+
+// The unit as the coordinator sees it: name, elements, master bytes.
+hsdp::v1::UnitInfo ToProto(const UnitInfo& info);
 
 // Clips the sharded gradients so the global norm over all shards is at most
 // max_norm (a collective on the shard communicator: call it on every rank).

@@ -63,7 +63,7 @@ absl::Status Guard(Fn&& fn) {
 }  // namespace
 
 absl::StatusOr<double> ClipGradNormGlobal(Engine& engine, double max_norm) {
-  EngineCore& core = engine.core();
+  EngineCore& core = CoreOf(engine);
   double norm = 0;
   absl::Status s = Guard([&]() -> absl::Status {
     at::NoGradGuard no_grad;
@@ -95,7 +95,7 @@ absl::StatusOr<double> ClipGradNormGlobal(Engine& engine, double max_norm) {
 
 absl::StatusOr<std::map<std::string, at::Tensor>> FullStateDict(
     Engine& engine) {
-  EngineCore& core = engine.core();
+  EngineCore& core = CoreOf(engine);
   std::map<std::string, at::Tensor> out;
   const bool keep = core.global_rank() == 0;
   absl::Status s = Guard([&]() -> absl::Status {
@@ -132,7 +132,7 @@ absl::StatusOr<std::map<std::string, at::Tensor>> FullStateDict(
 
 absl::Status LoadFullStateDict(Engine& engine,
                                const std::map<std::string, at::Tensor>& state) {
-  EngineCore& core = engine.core();
+  EngineCore& core = CoreOf(engine);
   const bool source = core.global_rank() == 0;
   return Guard([&]() -> absl::Status {
     at::NoGradGuard no_grad;
@@ -200,7 +200,7 @@ absl::Status LoadFullStateDict(Engine& engine,
 }
 
 std::map<std::string, ShardedTensor> ShardedStateDict(const Engine& engine) {
-  const EngineCore& core = engine.core();
+  const EngineCore& core = CoreOf(engine);
   std::map<std::string, ShardedTensor> out;
   at::NoGradGuard no_grad;
   for (ShardedParam* p : AllShardedParams(core)) {
@@ -217,7 +217,7 @@ std::map<std::string, ShardedTensor> ShardedStateDict(const Engine& engine) {
 
 absl::Status LoadShardedStateDict(
     Engine& engine, const std::map<std::string, ShardedTensor>& state) {
-  EngineCore& core = engine.core();
+  EngineCore& core = CoreOf(engine);
   const std::vector<ShardedParam*> params = AllShardedParams(core);
   for (ShardedParam* p :
        params) {  // validate everything before touching anything

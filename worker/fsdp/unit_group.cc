@@ -571,17 +571,17 @@ int64_t UnitGroup::FlatBufferBytes() const {
 }
 
 UnitInfo UnitGroup::Info() const {
-  UnitInfo info;
-  info.name = name_;
-  info.num_params = static_cast<int64_t>(params_.size());
+  std::vector<std::pair<std::string, at::Tensor>> params;
   for (const auto& p : params_) {
-    info.numel += p->numel();
-    info.unsharded_bytes +=
-        p->numel() * static_cast<int64_t>(c10::elementSize(compute_dtype_));
-    info.sharded_bytes += p->sharded_bytes();
-    info.param_names.push_back(p->fqn());
+    // A meta tensor of the parameter's global shape and master dtype: what
+    // DescribeUnit sees before sharding.
+    params.emplace_back(
+        p->fqn(),
+        at::empty(p->global_shape(), at::TensorOptions()
+                                         .dtype(p->sharded().scalar_type())
+                                         .device(c10::kMeta)));
   }
-  return info;
+  return DescribeUnit(name_, params, core_->options, core_->shard_size());
 }
 
 UnitStats UnitGroup::Stats() const {

@@ -147,6 +147,11 @@ class EngineCore {
   int64_t in_flight_grad_bytes = 0;
 };
 
+// The engine's internal state, for the engine's own helpers (state dicts,
+// recompute, benchmarks); not part of the public API.
+EngineCore& CoreOf(Engine& engine);
+const EngineCore& CoreOf(const Engine& engine);
+
 class UnitGroup {
  public:
   UnitGroup(EngineCore* core, int index, std::string name,

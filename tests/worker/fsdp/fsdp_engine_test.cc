@@ -311,7 +311,7 @@ TEST(EngineApiTest, FullyShardWrapperAndMixedPrecisionAccounting) {
     // Shards stay fp32 (the optimizer's master copy).
     for (const at::Tensor& p : engine->Parameters())
       EXPECT_EQ(p.scalar_type(), torch::kFloat);
-    FullyShard<Block> block(engine->Unit(1), model->blocks[0]);
+    ShardedModule<Block> block(engine->Unit(1), model->blocks[0]);
     const at::Tensor x =
         torch::randn({2, config.dims.seq_len, config.dims.d_model});
     const at::Tensor y = engine->Root().Forward(x, [&](const at::Tensor& in) {

@@ -199,7 +199,7 @@ TEST(MixedPrecisionTest, Bf16ParamsFp32ReduceWithinTolerance) {
   EXPECT_GT(MaxAbsDiff(results[0].params, reference.params), 0.0);
 }
 
-TEST(RecomputeTest, CheckpointGivesTheSameGradients) {
+TEST(RecomputeTest, RecomputeGivesTheSameGradients) {
   RunConfig config;
   const StateDict init = MakeInitialState(config.dims, 7);
   RunConfig with_recompute = config;
@@ -216,7 +216,7 @@ TEST(RecomputeTest, CheckpointGivesTheSameGradients) {
   EXPECT_LE(MaxAbsDiff(plain[0].params, recomputed[0].params), 1e-7);
 }
 
-TEST(CheckpointTest, ForwardIsRerunInBackward) {
+TEST(RecomputeTest, ForwardIsRerunInBackward) {
   RunConfig config;
   const StateDict init = MakeInitialState(config.dims, 8);
   RunOnMesh({1, 2}, [&](RankContext& ctx) {
@@ -227,7 +227,7 @@ TEST(CheckpointTest, ForwardIsRerunInBackward) {
     at::Tensor loss = engine->Root().Forward(tokens, [&](const at::Tensor& t) {
       at::Tensor h = model->Embed(t);
       Block block = model->blocks[0];
-      h = Checkpoint(
+      h = Recompute(
           *engine,
           // Runs again in backward, after this lambda returned: capture by
           // value.

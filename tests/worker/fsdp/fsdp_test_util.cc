@@ -160,7 +160,7 @@ at::Tensor EngineForward(Engine& engine, TinyTransformer& model,
           return block->forward(y);
         });
       };
-      h = checkpoint ? Checkpoint(engine, run, h) : run(h);
+      h = checkpoint ? Recompute(engine, run, h) : run(h);
     }
     return model->Head(h);
   });
