@@ -116,8 +116,8 @@ int64_t GptParamCount(const GptConfig& c) {
   const int64_t ln = 2 * d;
   const int64_t block =
       ln + (d * 3 * d + 3 * d) + (d * d + d) + ln + (d * f + f) + (f * d + d);
-  return c.vocab_size * d + c.seq_len * d + c.n_layers * block + ln +
-         c.vocab_size * d;
+  const int64_t head = c.tie_embeddings ? 0 : c.vocab_size * d;
+  return c.vocab_size * d + c.seq_len * d + c.n_layers * block + ln + head;
 }
 
 std::string UnitName(int index) {
@@ -160,31 +160,24 @@ at::Tensor BlockImpl::forward(const at::Tensor& x) {
   return h + out_->forward(at::gelu(fc_->forward(ln2_->forward(h))));
 }
 
-GptImpl::GptImpl(const GptConfig& config, uint64_t seed) : config_(config) {
-  const int64_t d = config.d_model;
-  tok_emb_ =
-      register_module("tok_emb", torch::nn::Embedding(config.vocab_size, d));
-  pos_emb_ =
-      register_module("pos_emb", torch::nn::Embedding(config.seq_len, d));
-  layers_ = register_module("layers", torch::nn::ModuleList());
-  for (int64_t i = 0; i < config.n_layers; ++i) {
-    blocks_.push_back(Block(d, config.n_heads, config.ffn_dim()));
-    layers_->push_back(blocks_.back());
-  }
-  ln_f_ = register_module(
-      "ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})));
-  head_ = register_module(
-      "head", torch::nn::Linear(
-                  torch::nn::LinearOptions(d, config.vocab_size).bias(false)));
+namespace {
 
-  // Deterministic init in registration order from a private generator:
-  // identical on every rank and in the single-process reference, independent of
-  // the global RNG and of other threads.
-  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+// Generator of one init stream: the root's (index 0) or block i's (i + 1).
+at::Generator InitGenerator(uint64_t seed, int64_t stream) {
+  uint64_t x =
+      seed ^ (0x9e3779b97f4a7c15ULL * static_cast<uint64_t>(stream + 1));
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return at::make_generator<at::CPUGeneratorImpl>(x ^ (x >> 31));
+}
+
+// GPT-2 style init of `module`'s parameters in registration order.
+void InitParameters(torch::nn::Module& module, at::Generator gen,
+                    int64_t n_layers) {
   const double residual_std =
-      kInitStd / std::sqrt(2.0 * static_cast<double>(config.n_layers));
+      kInitStd / std::sqrt(2.0 * static_cast<double>(n_layers));
   torch::NoGradGuard no_grad;
-  for (const auto& item : named_parameters(/*recurse=*/true)) {
+  for (const auto& item : module.named_parameters(/*recurse=*/true)) {
     const std::string& name = item.key();
     at::Tensor p = item.value();
     const bool is_norm = absl::StrContains(name, "ln");
@@ -201,6 +194,63 @@ GptImpl::GptImpl(const GptConfig& config, uint64_t seed) : config_(config) {
   }
 }
 
+// The tied head: a module whose one parameter, "weight", is another module's.
+class TiedHeadImpl : public torch::nn::Module {
+ public:
+  explicit TiedHeadImpl(const at::Tensor& weight) {
+    register_parameter("weight", weight);
+  }
+};
+
+}  // namespace
+
+GptImpl::GptImpl(const GptConfig& config, uint64_t seed, bool build_blocks)
+    : config_(config), seed_(seed) {
+  const int64_t d = config.d_model;
+  tok_emb_ =
+      register_module("tok_emb", torch::nn::Embedding(config.vocab_size, d));
+  pos_emb_ =
+      register_module("pos_emb", torch::nn::Embedding(config.seq_len, d));
+  layers_ = register_module("layers", std::make_shared<torch::nn::Module>());
+  blocks_.resize(static_cast<size_t>(config.n_layers), Block(nullptr));
+  ln_f_ = register_module(
+      "ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})));
+  if (config.tie_embeddings) {
+    head_ = register_module("head",
+                            std::make_shared<TiedHeadImpl>(tok_emb_->weight));
+    head_weight_ = tok_emb_->weight;
+  } else {
+    torch::nn::Linear head(
+        torch::nn::LinearOptions(d, config.vocab_size).bias(false));
+    head_ = register_module("head", head.ptr());
+    head_weight_ = head->weight;
+  }
+  // Root parameters only: the blocks are not registered yet.
+  InitParameters(*this, InitGenerator(seed, 0), config.n_layers);
+  if (build_blocks) {
+    for (int i = 0; i < config.n_layers; ++i) BuildBlock(i);
+  }
+}
+
+Block GptImpl::BuildBlock(int i) {
+  Block block(config_.d_model, config_.n_heads, config_.ffn_dim());
+  InitParameters(*block, InitGenerator(seed_, i + 1), config_.n_layers);
+  const std::string name = std::to_string(i);
+  if (blocks_.at(i).is_empty()) {
+    layers_->register_module(name, block);
+  } else {
+    layers_->replace_module(name, block);
+  }
+  blocks_.at(i) = block;
+  return block;
+}
+
+void GptImpl::ReleaseBlock(int i) {
+  if (blocks_.at(i).is_empty()) return;
+  layers_->unregister_module(std::to_string(i));
+  blocks_.at(i) = Block(nullptr);
+}
+
 at::Tensor GptImpl::forward(const at::Tensor& tokens) {
   const int64_t t = tokens.size(1);
   TORCH_CHECK(t <= config_.seq_len, "sequence length ", t,
@@ -211,7 +261,7 @@ at::Tensor GptImpl::forward(const at::Tensor& tokens) {
   for (int i = 0; i < num_blocks(); ++i) {
     x = block_runner_ ? block_runner_(i, x) : blocks_[i]->forward(x);
   }
-  return head_->forward(ln_f_->forward(x));
+  return at::linear(ln_f_->forward(x), head_weight_);
 }
 
 at::Tensor GptImpl::Loss(const at::Tensor& tokens, const at::Tensor& targets) {
@@ -221,7 +271,7 @@ at::Tensor GptImpl::Loss(const at::Tensor& tokens, const at::Tensor& targets) {
 }
 
 std::vector<std::shared_ptr<torch::nn::Module>> GptImpl::RootModules() const {
-  return {tok_emb_.ptr(), pos_emb_.ptr(), ln_f_.ptr(), head_.ptr()};
+  return {tok_emb_.ptr(), pos_emb_.ptr(), ln_f_.ptr(), head_};
 }
 
 void GptImpl::set_block_runner(BlockRunner runner) {

@@ -49,6 +49,9 @@ struct GptConfig {
   int64_t seq_len = 64;
   // MLP hidden size; 0 means 4 * d_model.
   int64_t d_ff = 0;
+  // The output head reuses the token embedding's weight (one parameter used
+  // by two modules, both in the root unit).
+  bool tie_embeddings = false;
 
   int64_t ffn_dim() const { return d_ff > 0 ? d_ff : 4 * d_model; }
   // "d_model,n_layers,n_heads,seq_len" — the --dims spelling.
@@ -98,8 +101,17 @@ class GptImpl : public torch::nn::Module {
  public:
   // Parameters are initialised deterministically from `seed` (GPT-2 style: N(0,
   // 0.02), residual projections scaled by 1/sqrt(2 * n_layers), LayerNorm
-  // weight 1, biases 0).
-  GptImpl(const GptConfig& config, uint64_t seed);
+  // weight 1, biases 0). Each block draws from its own generator, seeded from
+  // (seed, block index), and the root modules from (seed, root): a block built
+  // alone (BuildBlock) has the same values as in a model built whole. With
+  // `build_blocks` false only the root modules exist until BuildBlock.
+  GptImpl(const GptConfig& config, uint64_t seed, bool build_blocks = true);
+
+  // Constructs block i, initialised, registered as "layers.i" (replacing an
+  // earlier block i). Returns it.
+  Block BuildBlock(int i);
+  // Unregisters block i and drops this model's reference to it.
+  void ReleaseBlock(int i);
 
   // tokens: int64 [batch, seq] with seq <= config.seq_len -> logits [batch,
   // seq, vocab].
@@ -112,7 +124,8 @@ class GptImpl : public torch::nn::Module {
   int num_blocks() const { return static_cast<int>(blocks_.size()); }
   // The blocks in forward order; block i is unit "layers.i".
   const std::vector<Block>& blocks() const { return blocks_; }
-  // Block i (a holder sharing the module; callable from const contexts).
+  // Block i (a holder sharing the module; callable from const contexts). Null
+  // until built.
   Block block(int i) const { return blocks_.at(i); }
   // Modules of the root unit (embeddings, final norm, head).
   std::vector<std::shared_ptr<torch::nn::Module>> RootModules() const;
@@ -127,12 +140,17 @@ class GptImpl : public torch::nn::Module {
 
  private:
   GptConfig config_;
+  uint64_t seed_;
   torch::nn::Embedding tok_emb_{nullptr};
   torch::nn::Embedding pos_emb_{nullptr};
-  torch::nn::ModuleList layers_{nullptr};
+  // Holds the blocks as "0", "1", ... so they are named "layers.i".
+  std::shared_ptr<torch::nn::Module> layers_;
   std::vector<Block> blocks_;
   torch::nn::LayerNorm ln_f_{nullptr};
-  torch::nn::Linear head_{nullptr};
+  // The output projection: a bias-free Linear, or (tie_embeddings) a module
+  // whose "weight" is the token embedding's.
+  std::shared_ptr<torch::nn::Module> head_;
+  at::Tensor head_weight_;
   BlockRunner block_runner_;
 };
 TORCH_MODULE(Gpt);

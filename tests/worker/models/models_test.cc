@@ -7,8 +7,8 @@
 #include <set>
 
 #include "gtest/gtest.h"
-#include "worker/models/data.h"
 #include "worker/models/gpt.h"
+#include "worker/models/token_dataset.h"
 
 namespace hsdp::models {
 namespace {
@@ -78,7 +78,7 @@ TEST(GptTest, DeterministicInitUnitsAndParamCount) {
 TEST(GptTest, BlockRunnerSeesEveryBlockInOrderAndLossStartsNearUniform) {
   const GptConfig config = *GptConfigForName("gpt-tiny");
   Gpt model(config, 0);
-  TextDataset data = TextDataset::Builtin();
+  TokenDataset data = TokenDataset::Builtin();
   TokenBatch batch = data.GlobalSlice(0, 0, 0, 4, config.seq_len);
   at::Tensor direct = model->Loss(batch.tokens, batch.targets);
   std::vector<int> calls;
@@ -96,7 +96,7 @@ TEST(GptTest, AdamWTrainingLowersLoss) {
   at::set_num_threads(1);
   const GptConfig config = *GptConfigFromDims("32,1,2,32");
   Gpt model(config, 0);
-  TextDataset data = TextDataset::Builtin();
+  TokenDataset data = TokenDataset::Builtin();
   torch::optim::AdamW opt(model->parameters(),
                           torch::optim::AdamWOptions(3e-3));
   double first = 0, last = 0;
@@ -114,16 +114,16 @@ TEST(GptTest, AdamWTrainingLowersLoss) {
 }
 
 TEST(DataTest, RankSlicesTileTheGlobalBatch) {
-  TextDataset data = TextDataset::Builtin();
-  EXPECT_GT(data.size(), 4096u);
+  TokenDataset data = TokenDataset::Builtin();
+  EXPECT_GT(data.size(), 4096);
   constexpr int kWorld = 4, kMicro = 2, kMb = 3, kSeq = 16;
   TokenBatch global = data.GlobalSlice(7, 11, 0, kWorld * kMicro * kMb, kSeq);
   EXPECT_TRUE(at::equal(global.tokens.slice(1, 1),
                         global.targets.slice(1, 0, kSeq - 1)));
   for (int r = 0; r < kWorld; ++r) {
     for (int m = 0; m < kMicro; ++m) {
-      TokenBatch mb = data.RankMicrobatch(7, 11, r, kMicro, m, kMb, kSeq);
       const int64_t first = (r * kMicro + m) * kMb;
+      TokenBatch mb = data.GlobalSlice(7, 11, first, kMb, kSeq);
       EXPECT_TRUE(
           at::equal(mb.tokens, global.tokens.slice(0, first, first + kMb)));
       EXPECT_TRUE(
@@ -133,8 +133,47 @@ TEST(DataTest, RankSlicesTileTheGlobalBatch) {
   // Different steps draw different windows.
   EXPECT_FALSE(
       at::equal(global.tokens, data.GlobalSlice(7, 12, 0, 24, kSeq).tokens));
-  EXPECT_EQ(TextDataset::FromFile("/nonexistent/x.txt").status().code(),
+  EXPECT_EQ(TokenDataset::Open("/nonexistent/x.txt", 256, kSeq).status().code(),
             absl::StatusCode::kNotFound);
+}
+
+TEST(GptTest, BlocksBuiltOneAtATimeEqualTheWholeModel) {
+  const GptConfig config = *GptConfigFromDims("32,3,2,16");
+  Gpt whole(config, 5);
+  Gpt lazy(config, 5, /*build_blocks=*/false);
+  EXPECT_TRUE(lazy->block(1).is_empty());
+  // Built in any order, each block has the values it has in the whole model.
+  for (int i : {2, 0, 1}) lazy->BuildBlock(i);
+  auto pw = whole->named_parameters(), pl = lazy->named_parameters();
+  ASSERT_EQ(pw.size(), pl.size());
+  for (const auto& item : pw) {
+    ASSERT_NE(pl.find(item.key()), nullptr) << item.key();
+    EXPECT_TRUE(at::equal(item.value(), *pl.find(item.key()))) << item.key();
+  }
+  // Rebuilding replaces the block with equal values; releasing drops it.
+  Block again = lazy->BuildBlock(1);
+  EXPECT_TRUE(
+      at::equal(again->parameters()[0], whole->block(1)->parameters()[0]));
+  lazy->ReleaseBlock(1);
+  EXPECT_TRUE(lazy->block(1).is_empty());
+  EXPECT_EQ(lazy->named_parameters().find("layers.1.qkv.weight"), nullptr);
+}
+
+TEST(GptTest, TiedEmbeddingsShareOneTensor) {
+  GptConfig config = *GptConfigFromDims("32,1,2,16");
+  config.tie_embeddings = true;
+  Gpt model(config, 0);
+  auto params = model->named_parameters();
+  ASSERT_NE(params.find("head.weight"), nullptr);
+  EXPECT_EQ(params.find("head.weight")->unsafeGetTensorImpl(),
+            params.find("tok_emb.weight")->unsafeGetTensorImpl());
+  std::set<const void*> unique;
+  int64_t numel = 0;
+  for (const auto& item : params) {
+    if (unique.insert(item.value().unsafeGetTensorImpl()).second)
+      numel += item.value().numel();
+  }
+  EXPECT_EQ(numel, GptParamCount(config));
 }
 
 }  // namespace

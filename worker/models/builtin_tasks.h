@@ -1,0 +1,22 @@
+// The tasks hsdp-worker knows by name: gpt-tiny, gpt-small, gpt-medium, gpt-1b
+// and gpt-custom (--dims). NOT_FOUND naming the known models for anything
+// else.
+#ifndef HSDP_WORKER_MODELS_BUILTIN_TASKS_H_
+#define HSDP_WORKER_MODELS_BUILTIN_TASKS_H_
+
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "worker/train/task.h"
+
+namespace hsdp::models {
+
+// Default --model when none is given.
+inline constexpr char kDefaultModel[] = "gpt-tiny";
+
+absl::StatusOr<std::unique_ptr<train::Task>> MakeBuiltinTask(
+    const train::TaskArgs& args);
+
+}  // namespace hsdp::models
+
+#endif  // HSDP_WORKER_MODELS_BUILTIN_TASKS_H_
