@@ -93,6 +93,7 @@ grpc::Status ControlServiceImpl::GetStatus(
     response->set_drain_step(log.drain_step());
     response->set_model(m.model());
     response->set_unit_count(static_cast<int32_t>(m.units().size()));
+    if (auto training = m.training()) *response->mutable_training() = *training;
     return absl::OkStatus();
   });
 }

@@ -85,6 +85,7 @@ grpc::Status CoordinatorServiceImpl::Join(grpc::ServerContext* /*context*/,
     args.device = request->device();
     args.model = request->model();
     args.units = UnitListFromProto(request->units());
+    if (request->has_training()) args.training = request->training();
     HSDP_ASSIGN_OR_RETURN(JoinResult joined, core_.membership->Join(args));
     // Every successful join (not only the first) hands the model to the
     // schedule log, so a second worker cannot race to GetSchedule before the

@@ -1,6 +1,7 @@
 #include "coordinator/membership.h"
 
 #include "absl/strings/str_cat.h"
+#include "common/training_spec.h"
 
 namespace hsdp::coordinator {
 
@@ -51,6 +52,7 @@ absl::Status Membership::RestoreLocked() {
   generation_ = state.generation();
   model_ = state.model();
   units_ = UnitListFromProto(state.units());
+  if (state.has_training()) training_ = state.training();
   const absl::Time now = options_.clock->Now();
   for (const auto& member : state.members()) {
     if (member.rank() < 0 || member.rank() >= options_.world_size) continue;
@@ -70,6 +72,11 @@ absl::Status Membership::PersistLocked() {
         s->set_generation(generation_);
         s->set_model(model_);
         s->mutable_units()->Assign(units_.begin(), units_.end());
+        if (training_.has_value()) {
+          *s->mutable_training() = *training_;
+        } else {
+          s->clear_training();
+        }
         s->clear_members();
         for (int rank = 0; rank < static_cast<int>(slots_.size()); ++rank) {
           const Slot& slot = slots_[rank];
@@ -135,6 +142,14 @@ absl::StatusOr<JoinResult> Membership::Join(const JoinArgs& args) {
     if (absl::Status s = CompareUnitLists(args.units, units_); !s.ok())
       return s;
   }
+  if (args.training.has_value() && training_.has_value()) {
+    if (absl::Status s = CompareTrainingSpecs(*args.training, *training_);
+        !s.ok()) {
+      return s;
+    }
+  }
+  const bool establishes_training =
+      args.training.has_value() && !training_.has_value();
   absl::StatusOr<int> rank = PickRankLocked(args);
   if (!rank.ok()) return rank.status();
 
@@ -155,6 +170,7 @@ absl::StatusOr<JoinResult> Membership::Join(const JoinArgs& args) {
     model_ = args.model;
     units_ = args.units;
   }
+  if (establishes_training) training_ = args.training;
   if (absl::Status s = PersistLocked(); !s.ok()) {
     // Nothing changes when the join cannot be made durable.
     slot = previous;
@@ -162,6 +178,7 @@ absl::StatusOr<JoinResult> Membership::Join(const JoinArgs& args) {
       model_ = previous_model;
       units_.clear();
     }
+    if (establishes_training) training_.reset();
     return s;
   }
   result.coord = RankToCoord(options_.mesh, *rank);
@@ -321,6 +338,11 @@ UnitList Membership::units() const {
 bool Membership::has_model() const {
   absl::MutexLock lock(&mu_);
   return !units_.empty();
+}
+
+std::optional<hsdp::v1::TrainingSpec> Membership::training() const {
+  absl::MutexLock lock(&mu_);
+  return training_;
 }
 
 }  // namespace hsdp::coordinator

@@ -13,6 +13,9 @@
 //   (persisted); a later joiner with a different model or list is
 //   FAILED_PRECONDITION naming the first differing unit. A malformed unit list
 //   is INVALID_ARGUMENT.
+// - The first joiner that reports training settings makes them the job's
+//   (persisted); a later joiner whose settings differ is FAILED_PRECONDITION
+//   naming the field (CompareTrainingSpecs).
 // - A refused join changes nothing.
 //
 // Heartbeats: a worker not heard from for `heartbeat_timeout` (by the
@@ -61,6 +64,8 @@ struct JoinArgs {
   std::string device;
   std::string model;
   UnitList units;
+  // The worker's training settings; unset: not checked.
+  std::optional<hsdp::v1::TrainingSpec> training;
 };
 
 struct JoinResult {
@@ -150,6 +155,8 @@ class Membership {
   std::string model() const;
   UnitList units() const;
   bool has_model() const;
+  // The training settings the first worker reported (unset until then).
+  std::optional<hsdp::v1::TrainingSpec> training() const;
 
   const std::string& job_id() const { return options_.job_id; }
   int world_size() const { return options_.world_size; }
@@ -184,6 +191,7 @@ class Membership {
   std::vector<Slot> slots_ ABSL_GUARDED_BY(mu_);
   std::string model_ ABSL_GUARDED_BY(mu_);
   UnitList units_ ABSL_GUARDED_BY(mu_);
+  std::optional<hsdp::v1::TrainingSpec> training_ ABSL_GUARDED_BY(mu_);
   int64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
   bool draining_ ABSL_GUARDED_BY(mu_) = false;
 };

@@ -207,6 +207,39 @@ std::string FormatDouble(double value, int precision) {
   return s.str();
 }
 
+// The job's training settings as "FIELD VALUE" rows.
+void AddTrainingRows(const hsdp::v1::TrainingSpec& spec, Table& t) {
+  const hsdp::v1::OptimizerSpec& o = spec.optimizer();
+  std::string optimizer =
+      o.kind() == hsdp::v1::OPTIMIZER_KIND_SGD
+          ? absl::StrCat("sgd lr=", o.lr(), " momentum=", o.momentum())
+          : absl::StrCat("adamw lr=", o.lr(), " betas=", o.beta1(), ",",
+                         o.beta2(), " eps=", o.eps());
+  absl::StrAppend(&optimizer, " weight_decay=", o.weight_decay());
+  const hsdp::v1::LrScheduleSpec& l = spec.lr_schedule();
+  t.Add(
+      {"task", absl::StrCat(spec.task(), " v", spec.task_version(),
+                            spec.dims().empty() ? "" : " dims=", spec.dims())});
+  t.Add({"seed", std::to_string(spec.seed())});
+  t.Add({"steps", std::to_string(spec.steps())});
+  t.Add({"microbatch size", std::to_string(spec.microbatch_size())});
+  t.Add({"optimizer", optimizer});
+  t.Add({"lr schedule",
+         absl::StrCat(l.cosine() ? "cosine" : "constant",
+                      " warmup=", l.warmup_steps(),
+                      l.cosine() ? absl::StrCat(" min_lr=", l.min_lr()) : "")});
+  t.Add({"precision",
+         absl::StrCat("params ", spec.param_dtype(), ", reduce ",
+                      spec.reduce_dtype().empty() ? spec.param_dtype()
+                                                  : spec.reduce_dtype())});
+  t.Add({"cpu offload", spec.cpu_offload() ? "on" : "off"});
+  t.Add({"recompute",
+         spec.recompute_units().empty() ? "-" : spec.recompute_units()});
+  t.Add({"clip grad norm", spec.clip_grad_norm() > 0
+                               ? FormatDouble(spec.clip_grad_norm(), 3)
+                               : "-"});
+}
+
 absl::Status Status(ControlClient& client, const GlobalOptions& g,
                     std::ostream& out) {
   return CallAndPrint(
@@ -228,6 +261,7 @@ absl::Status Status(ControlClient& client, const GlobalOptions& g,
         t.Add({"drain step", StepOrNone(r.drain_step())});
         t.Add({"model", r.model().empty() ? "-" : r.model()});
         t.Add({"units", std::to_string(r.unit_count())});
+        if (r.has_training()) AddTrainingRows(r.training(), t);
         t.Print(out);
       });
 }

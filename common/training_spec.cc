@@ -1,0 +1,144 @@
+#include "common/training_spec.h"
+
+#include <google/protobuf/descriptor.h>
+#include <google/protobuf/message.h>
+#include <google/protobuf/text_format.h>
+#include <google/protobuf/util/field_comparator.h>
+#include <google/protobuf/util/message_differencer.h>
+
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_replace.h"
+
+namespace hsdp {
+namespace {
+
+using google::protobuf::FieldDescriptor;
+using google::protobuf::Message;
+using google::protobuf::Reflection;
+using google::protobuf::util::MessageDifferencer;
+
+// The value of one field of `m` as a short string ("(unset)" when absent).
+std::string FieldValue(const Message& m, const FieldDescriptor* field) {
+  if (field->is_repeated()) {
+    std::string text;
+    google::protobuf::TextFormat::PrintFieldValueToString(m, field, -1, &text);
+    return text;
+  }
+  const Reflection* r = m.GetReflection();
+  if (!r->HasField(m, field) &&
+      field->cpp_type() == FieldDescriptor::CPPTYPE_MESSAGE) {
+    return "(unset)";
+  }
+  std::string text;
+  google::protobuf::TextFormat::PrintFieldValueToString(m, field, -1, &text);
+  return text.empty() ? "\"\"" : text;
+}
+
+// Records the first difference as "path: got, want".
+class FirstDifference : public MessageDifferencer::Reporter {
+ public:
+  void ReportAdded(
+      const Message&, const Message& want,
+      const std::vector<MessageDifferencer::SpecificField>& path) override {
+    Record(path, "(unset)", Value(want, path));
+  }
+  void ReportDeleted(
+      const Message& got, const Message&,
+      const std::vector<MessageDifferencer::SpecificField>& path) override {
+    Record(path, Value(got, path), "(unset)");
+  }
+  void ReportModified(
+      const Message& got, const Message& want,
+      const std::vector<MessageDifferencer::SpecificField>& path) override {
+    Record(path, Value(got, path), Value(want, path));
+  }
+
+  bool found() const { return found_; }
+  const std::string& path() const { return path_; }
+  const std::string& got() const { return got_; }
+  const std::string& want() const { return want_; }
+
+ private:
+  // The value at the end of `path` inside the top-level message `root`.
+  static std::string Value(
+      const Message& root,
+      const std::vector<MessageDifferencer::SpecificField>& path) {
+    const Message* m = &root;
+    for (size_t i = 0; i + 1 < path.size(); ++i) {
+      const FieldDescriptor* f = path[i].field;
+      if (f == nullptr || f->cpp_type() != FieldDescriptor::CPPTYPE_MESSAGE ||
+          f->is_repeated()) {
+        break;
+      }
+      m = &m->GetReflection()->GetMessage(*m, f);
+    }
+    const FieldDescriptor* last = path.back().field;
+    if (last == nullptr) return "?";
+    if (last->is_map()) return "(map entry)";
+    return FieldValue(*m, last);
+  }
+
+  void Record(const std::vector<MessageDifferencer::SpecificField>& path,
+              std::string got, std::string want) {
+    if (found_ || path.empty()) return;
+    std::vector<std::string> names;
+    for (const auto& f : path) {
+      if (f.field != nullptr) names.push_back(f.field->name());
+    }
+    path_ = absl::StrJoin(names, ".");
+    if (path.back().field != nullptr && path.back().field->is_map()) {
+      path_ = path.front().field->name();
+    }
+    got_ = std::move(got);
+    want_ = std::move(want);
+    found_ = true;
+  }
+
+  bool found_ = false;
+  std::string path_, got_, want_;
+};
+
+}  // namespace
+
+absl::Status CompareTrainingSpecs(const hsdp::v1::TrainingSpec& got,
+                                  const hsdp::v1::TrainingSpec& want) {
+  MessageDifferencer differencer;
+  FirstDifference first;
+  differencer.ReportDifferencesTo(&first);
+  if (differencer.Compare(got, want)) return absl::OkStatus();
+  if (!first.found()) {
+    return absl::FailedPreconditionError(
+        "training settings differ from the job's");
+  }
+  if (first.path() == "task_options") {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "training setting task_options differs: this worker has {",
+        absl::StrReplaceAll(
+            FieldValue(got,
+                       got.GetDescriptor()->FindFieldByName("task_options")),
+            {{"\n", " "}}),
+        "}, the job has {",
+        absl::StrReplaceAll(
+            FieldValue(want,
+                       want.GetDescriptor()->FindFieldByName("task_options")),
+            {{"\n", " "}}),
+        "}"));
+  }
+  return absl::FailedPreconditionError(absl::StrCat(
+      "training setting ", first.path(), " differs: this worker has ",
+      first.got(), ", the job has ", first.want()));
+}
+
+std::string DescribeTrainingSpec(const hsdp::v1::TrainingSpec& spec) {
+  std::string text;
+  google::protobuf::TextFormat::Printer printer;
+  printer.SetSingleLineMode(false);
+  printer.PrintToString(spec, &text);
+  return text;
+}
+
+}  // namespace hsdp
