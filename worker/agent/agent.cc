@@ -133,6 +133,8 @@ hsdp::v1::JoinRequest Agent::MakeJoinRequest(
   req.set_device(options_.device);
   req.set_model(options_.model);
   for (const auto& u : options_.units) *req.add_units() = u;
+  if (options_.training.has_value())
+    *req.mutable_training() = *options_.training;
   return req;
 }
 

@@ -47,6 +47,8 @@ struct AgentOptions {
   std::string device = "cpu";
   std::string model;
   std::vector<hsdp::v1::UnitInfo> units;
+  // The worker's training settings, checked against the job's at Join.
+  std::optional<hsdp::v1::TrainingSpec> training;
   // Deadline of one ordinary RPC attempt.
   absl::Duration rpc_timeout = absl::Seconds(10);
   // How long a call keeps retrying transient failures (coordinator down or

@@ -1,18 +1,23 @@
-// hsdp-worker: joins a coordinator and trains its model shard (see
-// worker/README.md).
-//   hsdp-worker --coordinator HOST:PORT --job-id JOB --model gpt-tiny --steps
-//   100 hsdp-worker --reference --world-size 4 --microbatches 1 ... (unsharded
-//   single-process reference)
+#include "worker/train/worker_main.h"
+
 #include <CLI/CLI.hpp>
 #include <cstdlib>
+#include <fstream>
 #include <iostream>
+#include <map>
 #include <optional>
+#include <sstream>
 #include <string>
+#include <vector>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
-#include "worker/train/trainer.h"
+#include "worker/train/runner.h"
+#include "worker/train/training_options.h"
 
+namespace hsdp::train {
 namespace {
 
 constexpr int kExitFailure = 1;
@@ -47,50 +52,123 @@ std::optional<int> RankHintFromEnvironment() {
   return OrdinalSuffix(Env("HOSTNAME"));
 }
 
-int Fail(const std::string& message) {
-  std::cerr << "hsdp-worker: " << absl::StrReplaceAll(message, {{"\n", " "}})
+std::string ProgramName(const char* argv0) {
+  std::string name = argv0 == nullptr ? "hsdp-worker" : argv0;
+  const size_t slash = name.rfind('/');
+  return slash == std::string::npos ? name : name.substr(slash + 1);
+}
+
+int Fail(const std::string& program, const std::string& message) {
+  std::cerr << program << ": " << absl::StrReplaceAll(message, {{"\n", " "}})
             << std::endl;
   return kExitFailure;
 }
 
+// The job token: HSDP_JOB_TOKEN, else the first line of --job-token-file.
+absl::StatusOr<std::string> ReadToken(const std::string& path) {
+  if (path.empty()) {
+    const char* token = Env("HSDP_JOB_TOKEN");
+    return token == nullptr ? std::string() : std::string(token);
+  }
+  std::ifstream in(path);
+  if (!in) {
+    return absl::NotFoundError(
+        absl::StrCat("--job-token-file: cannot read '", path, "'"));
+  }
+  std::string token;
+  std::getline(in, token);
+  return std::string(absl::StripAsciiWhitespace(token));
+}
+
 }  // namespace
 
-int main(int argc, char** argv) {
-  hsdp::train::WorkerOptions w;
-  hsdp::train::ReferenceOptions ref;
+int WorkerMain(int argc, char** argv, const TaskFactory& factory) {
+  const std::string program = ProgramName(argc > 0 ? argv[0] : nullptr);
+  WorkerOptions w;
+  TrainingOptions& t = w.training;
+  int microbatches = 1, world_size = 1;
   int rank_hint = -1;
   double collective_timeout = 60, coordinator_timeout = 60;
+  double weight_decay = -1;
   bool reference = false;
+  std::string optimizer = "adamw", lr_schedule = "constant";
+  std::string token_file;
+  std::vector<std::string> task_options;
 
-  CLI::App app{
-      "hsdp worker: trains a model shard scheduled by an hsdp coordinator"};
+  CLI::App app{absl::StrCat(program,
+                            ": trains a model shard scheduled by an hsdp "
+                            "coordinator")};
   app.add_option("--coordinator", w.coordinator, "coordinator HOST:PORT")
       ->envname("HSDP_COORDINATOR");
   app.add_option("--job-id", w.job_id, "job id")->envname("HSDP_JOB_ID");
+  app.add_option("--job-token-file", token_file,
+                 "file holding the job's worker token (else HSDP_JOB_TOKEN)")
+      ->envname("HSDP_JOB_TOKEN_FILE");
   app.add_option("--rank-hint", rank_hint,
                  "preferred rank (else RANK, else the ordinal suffix of "
                  "POD_NAME/HOSTNAME)")
       ->envname("HSDP_RANK_HINT");
   app.add_option("--device", w.device, "cpu or cuda:N")->envname("HSDP_DEVICE");
-  app.add_option("--model", w.training.model,
-                 "gpt-tiny, gpt-small, gpt-medium, gpt-1b")
+  app.add_option("--model", w.task_args.model, "the model (task) to train")
       ->envname("HSDP_MODEL");
-  app.add_option("--dims", w.training.dims,
+  app.add_option("--dims", w.task_args.dims,
                  "explicit dims d_model,n_layers,n_heads,seq_len");
-  app.add_option("--data", w.training.data,
-                 "training text file (default: built-in corpus)")
+  app.add_option("--vocab-size", w.task_args.vocab_size,
+                 "vocabulary size (0: the model's default)")
+      ->envname("HSDP_VOCAB_SIZE");
+  app.add_option("--task-option", task_options,
+                 "KEY=VALUE setting of the model's own (repeatable)");
+  app.add_option("--data", w.task_args.data,
+                 "training data: a text file, tokens:PATH (llm.c header), "
+                 "tokens-u16:PATH or tokens-u32:PATH (default: built-in "
+                 "corpus)")
       ->envname("HSDP_DATA");
-  app.add_option("--steps", w.training.steps, "total training steps")
+  app.add_option("--steps", t.steps, "total training steps")
       ->envname("HSDP_STEPS");
-  app.add_option("--microbatch-size", w.training.microbatch_size,
-                 "sequences per microbatch per rank")
+  app.add_option("--microbatch-size", t.microbatch_size,
+                 "samples per microbatch per rank")
       ->envname("HSDP_MICROBATCH_SIZE");
-  app.add_option("--lr", w.training.lr, "AdamW learning rate")
+  app.add_option("--seed", t.seed, "model init and data seed")
+      ->envname("HSDP_SEED");
+  app.add_option("--optimizer", optimizer, "adamw or sgd")
+      ->envname("HSDP_OPTIMIZER");
+  app.add_option("--lr", t.optimizer.lr, "peak learning rate")
       ->envname("HSDP_LR");
+  app.add_option("--weight-decay", weight_decay,
+                 "decoupled (AdamW) or L2 (SGD) weight decay (default: 0.01 "
+                 "for adamw, 0 for sgd)")
+      ->envname("HSDP_WEIGHT_DECAY");
+  app.add_option("--momentum", t.optimizer.momentum, "SGD momentum")
+      ->envname("HSDP_MOMENTUM");
+  app.add_option("--lr-schedule", lr_schedule,
+                 "constant or cosine (after the warmup)")
+      ->envname("HSDP_LR_SCHEDULE");
+  app.add_option("--warmup-steps", t.lr_schedule.warmup_steps,
+                 "linear warmup steps")
+      ->envname("HSDP_WARMUP_STEPS");
+  app.add_option("--min-lr", t.lr_schedule.min_lr,
+                 "cosine: learning rate at the last step")
+      ->envname("HSDP_MIN_LR");
+  app.add_option("--param-dtype", t.param_dtype,
+                 "dtype of the gathered parameters: fp32 or bf16")
+      ->envname("HSDP_PARAM_DTYPE");
+  app.add_option("--reduce-dtype", t.reduce_dtype,
+                 "dtype gradients are reduced in (default: fp32)")
+      ->envname("HSDP_REDUCE_DTYPE");
+  app.add_flag("--cpu-offload", t.cpu_offload,
+               "keep shards, gradients and optimizer state on the CPU")
+      ->envname("HSDP_CPU_OFFLOAD");
+  app.add_option("--recompute-units", t.recompute_units,
+                 "glob over unit names whose activations are recomputed in "
+                 "backward, e.g. 'layers.*'")
+      ->envname("HSDP_RECOMPUTE_UNITS");
+  app.add_option("--clip-grad-norm", t.clip_grad_norm,
+                 "clip the global gradient norm to this (0: off)")
+      ->envname("HSDP_CLIP_GRAD_NORM");
   app.add_option("--checkpoint-dir", w.checkpoint_dir,
                  "sharded checkpoints; resume from here")
       ->envname("HSDP_CHECKPOINT_DIR");
-  app.add_option("--threads", w.training.threads,
+  app.add_option("--threads", w.process.threads,
                  "intra-op threads (0: LibTorch default)")
       ->envname("HSDP_THREADS");
   app.add_option("--gloo-iface", w.gloo_iface, "network interface for Gloo")
@@ -108,45 +186,79 @@ int main(int argc, char** argv) {
   app.add_option("--coordinator-timeout", coordinator_timeout,
                  "seconds to keep retrying an unreachable coordinator")
       ->envname("HSDP_COORDINATOR_TIMEOUT");
-  app.add_option("--seed", w.training.seed, "model init and data seed")
-      ->envname("HSDP_SEED");
-  app.add_option("--report-file", w.training.report_file,
+  app.add_option("--report-file", w.process.report_file,
                  "JSON lines, one per step")
       ->envname("HSDP_REPORT_FILE");
-  app.add_option("--final-params", w.training.final_params,
+  app.add_option("--final-params", w.process.final_params,
                  "after the last step rank 0 writes the full parameters here");
   app.add_flag(
       "--reference", reference,
       "train unsharded in this process on the global batches of a sharded run");
-  app.add_option("--world-size", ref.world_size,
+  app.add_option("--world-size", world_size,
                  "--reference: world size mirrored");
-  app.add_option("--microbatches", ref.microbatches,
+  app.add_option("--microbatches", microbatches,
                  "--reference: microbatches per step");
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
-    std::cerr << "hsdp-worker: " << e.what() << " (see --help)" << std::endl;
+    std::cerr << program << ": " << e.what() << " (see --help)" << std::endl;
     return kExitUsage;
   }
-  if (w.training.steps < 0 || w.training.microbatch_size <= 0 ||
-      collective_timeout <= 0 || coordinator_timeout <= 0 ||
-      ref.world_size <= 0 || ref.microbatches <= 0) {
-    std::cerr << "hsdp-worker: --steps must be >= 0 and --microbatch-size, "
-                 "--world-size, "
-                 "--microbatches and timeouts > 0"
-              << std::endl;
+  auto usage = [&](const std::string& message) {
+    std::cerr << program << ": " << message << std::endl;
     return kExitUsage;
+  };
+  if (collective_timeout <= 0 || coordinator_timeout <= 0 || world_size <= 0 ||
+      microbatches <= 0) {
+    return usage(
+        "--world-size, --microbatches and the timeouts must be positive");
+  }
+  if (optimizer == "adamw") {
+    t.optimizer.kind = OptimizerKind::kAdamW;
+  } else if (optimizer == "sgd") {
+    t.optimizer.kind = OptimizerKind::kSgd;
+  } else {
+    return usage(
+        absl::StrCat("--optimizer: '", optimizer, "' is not adamw or sgd"));
+  }
+  if (lr_schedule != "constant" && lr_schedule != "cosine") {
+    return usage(absl::StrCat("--lr-schedule: '", lr_schedule,
+                              "' is not constant or cosine"));
+  }
+  t.lr_schedule.cosine = lr_schedule == "cosine";
+  if (app.count("--weight-decay") > 0 || Env("HSDP_WEIGHT_DECAY") != nullptr) {
+    t.optimizer.weight_decay = weight_decay;
+  }
+  for (const std::string& kv : task_options) {
+    const size_t eq = kv.find('=');
+    if (eq == std::string::npos || eq == 0) {
+      return usage(absl::StrCat("--task-option '", kv, "': want KEY=VALUE"));
+    }
+    w.task_args.options[kv.substr(0, eq)] = kv.substr(eq + 1);
+  }
+  if (absl::Status s = ValidateTrainingOptions(t); !s.ok()) {
+    return usage(std::string(s.message()));
   }
 
-  hsdp::train::InitLogging(argv[0]);
+  InitLogging(argc > 0 ? argv[0] : "hsdp-worker");
+  absl::StatusOr<std::unique_ptr<Task>> task = factory(w.task_args);
+  if (!task.ok()) return Fail(program, std::string(task.status().message()));
+
   if (reference) {
-    ref.training = w.training;
-    absl::Status s = hsdp::train::RunReference(ref);
-    return s.ok() ? 0 : Fail(std::string(s.message()));
+    ReferenceOptions ref;
+    ref.training = t;
+    ref.process = w.process;
+    ref.world_size = world_size;
+    ref.microbatches = microbatches;
+    absl::Status s = RunReference(std::move(*task), ref);
+    return s.ok() ? 0 : Fail(program, std::string(s.message()));
   }
 
+  absl::StatusOr<std::string> token = ReadToken(token_file);
+  if (!token.ok()) return Fail(program, std::string(token.status().message()));
+  w.job_token = *token;
   if (rank_hint >= 0) {
     w.rank_hint = rank_hint;
   } else {
@@ -154,6 +266,8 @@ int main(int argc, char** argv) {
   }
   w.collective_timeout = absl::Seconds(collective_timeout);
   w.coordinator_timeout = absl::Seconds(coordinator_timeout);
-  absl::Status s = hsdp::train::RunWorker(w);
-  return s.ok() ? 0 : Fail(std::string(s.message()));
+  absl::Status s = RunTask(std::move(*task), w);
+  return s.ok() ? 0 : Fail(program, std::string(s.message()));
 }
+
+}  // namespace hsdp::train

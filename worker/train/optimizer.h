@@ -1,0 +1,26 @@
+// The job's optimizer and learning-rate schedule over a list of parameters
+// (this rank's shards, or the full parameters in the reference).
+#ifndef HSDP_WORKER_TRAIN_OPTIMIZER_H_
+#define HSDP_WORKER_TRAIN_OPTIMIZER_H_
+
+#include <torch/optim/optimizer.h>
+
+#include <memory>
+#include <vector>
+
+#include "worker/train/runner.h"
+
+namespace hsdp::train {
+
+// AdamW or SGD (with momentum and weight decay) as `options` says.
+std::unique_ptr<torch::optim::Optimizer> MakeJobOptimizer(
+    const OptimizerOptions& options, const std::vector<at::Tensor>& params);
+
+// Sets every parameter group's learning rate to the schedule's value for
+// `step`.
+void ApplyLearningRate(torch::optim::Optimizer& optimizer,
+                       const TrainingOptions& options, int64_t step);
+
+}  // namespace hsdp::train
+
+#endif  // HSDP_WORKER_TRAIN_OPTIMIZER_H_

@@ -1,0 +1,225 @@
+// The public worker API: the interface a user implements to train their own
+// LibTorch model under an hsdp coordinator.
+//
+// A Task owns one model and its data. The runner (RunTask in runner.h) owns the
+// Task and does everything else: join, mesh, sharding, the schedule loop,
+// optimizer and learning-rate schedule, reports, checkpoints, drain, errors.
+// The same Task also runs unsharded in one process (RunReference), so any model
+// can be checked against single-process training.
+//
+//   class MyTask : public hsdp::train::Task {
+//    public:
+//     std::string Name() const override { return "my-model"; }
+//     absl::Status Build(const BuildContext& ctx) override {
+//       model_ = MyModel(ctx.seed);          // stem, blocks, head
+//       return absl::OkStatus();
+//     }
+//     std::shared_ptr<torch::nn::Module> Model() override { return
+//     model_.ptr(); } int NumUnits() const override { return
+//     model_->num_blocks(); } absl::StatusOr<UnitSpec> BuildUnit(int i)
+//     override {
+//       return UnitSpec{absl::StrCat("blocks.", i), {model_->block(i).ptr()}};
+//     }
+//     void Shard(ShardContext& ctx) override { units_ = &ctx; }
+//     absl::StatusOr<Batch> GetBatch(const BatchRequest& r) override {...}
+//     absl::StatusOr<at::Tensor> Loss(const Batch& batch) override {
+//       at::Tensor x = model_->stem(batch.input);
+//       for (int i = 0; i < NumUnits(); ++i) {
+//         MyBlock block = model_->block(i);  // by value: recompute may rerun
+//         it x = units_->Forward(i, x, [block](const at::Tensor& y) {
+//           return block->forward(y);
+//         });
+//       }
+//       return torch::nn::functional::cross_entropy(model_->head(x),
+//                                                   batch.target);
+//     }
+//    private:
+//     MyModel model_{nullptr};
+//     ShardContext* units_ = nullptr;
+//   };
+//
+// Units. A unit is a group of modules whose parameters are gathered and freed
+// together (FSDP2's fully_shard). NumUnits() units, in forward order, are
+// numbered 0..NumUnits()-1 here; in the job's unit list (schedules, policies,
+// reports) the root unit comes first as index 0 and task unit i is index i+1.
+// Every parameter under Model() that no unit claims belongs to the root unit,
+// which is gathered around the whole of Loss(). A parameter reached from two
+// units (tied weights) must be in the root: sharding refuses it otherwise.
+//
+// Lifetimes and ownership. The runner owns the Task and destroys it after the
+// run; the Task owns its model. Build() runs once per process, before anything
+// else. BuildUnit(i) runs once per unit per process in the normal flow, plus
+// once more per unit before joining (to describe the units to the
+// coordinator), each time followed by ReleaseUnit(i) in that describing pass.
+// Shard() runs after the units are sharded, once per sharded model (again after
+// a membership change rebuilds it); the ShardContext it receives stays valid
+// until the next Shard() call or the end of the run.
+//
+// Sharded initialisation. A task that constructs unit i's modules inside
+// BuildUnit(i) (initialised from the seed and i alone, registered under
+// Model()) and drops them in ReleaseUnit(i) lets each rank hold only one unit's
+// full parameters at a time: the runner shards each unit as soon as it is
+// built. A task that builds everything in Build() works too, but every rank
+// then holds the whole unsharded model once.
+//
+// Threading. Every method is called on the one training thread. Functions
+// passed to ShardContext::Forward may run again during backward (activation
+// recompute), on the autograd thread while the training thread waits in
+// backward(): capture by value what they need. Loss() is not a collective, but
+// the unit Forwards it makes are: every rank must enter the same units in the
+// same order.
+//
+// Errors. Return absl::Status; never throw (the runner still converts a stray
+// c10::Error into a status). The runner reserves ABORTED and UNAVAILABLE for
+// membership changes and the coordinator: return other codes.
+//
+// Versioning. Name() and Version() are reported when joining; every worker of a
+// job must report the same pair. Bump Version() whenever a change alters the
+// numbers (init, data order, loss). New virtual methods are only ever added
+// with a default that keeps existing tasks correct (kTaskApiVersion counts
+// such additions).
+#ifndef HSDP_WORKER_TRAIN_TASK_H_
+#define HSDP_WORKER_TRAIN_TASK_H_
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace torch::nn {
+class Module;
+}  // namespace torch::nn
+namespace torch::optim {
+class Optimizer;
+}  // namespace torch::optim
+
+namespace hsdp::train {
+
+// Version of this header's contract.
+inline constexpr int kTaskApiVersion = 1;
+
+// What Build() gets.
+struct BuildContext {
+  // Where the unsharded parameters compute. Build on the CPU or here; the
+  // runner moves the model to this device before sharding.
+  c10::Device device = c10::kCPU;
+  // The job's seed: initial values must be a function of it alone.
+  uint64_t seed = 0;
+};
+
+// One unit: its name in the job's unit list ("layers.3"; not "root") and its
+// modules, all registered under Task::Model().
+struct UnitSpec {
+  std::string name;
+  std::vector<std::shared_ptr<torch::nn::Module>> modules;
+};
+
+// Samples [first, first + count) of step `step`'s global batch. Sample indices
+// run over the whole global batch; the runner decides which rank trains which
+// (on any mesh, and in the reference, the same indices give the same samples).
+struct BatchRequest {
+  int64_t step = 0;
+  int64_t first = 0;
+  int64_t count = 0;
+  uint64_t seed = 0;
+};
+
+// One microbatch on the CPU (the runner moves it to the device).
+struct Batch {
+  at::Tensor input;
+  at::Tensor target;
+};
+
+using UnitFn = std::function<at::Tensor(const at::Tensor&)>;
+using UnitListFn =
+    std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)>;
+
+// How Loss() enters the units. In a sharded run Forward() gathers the unit's
+// parameters (and starts the prefetches the coordinator scheduled), runs fn,
+// then frees them as scheduled; with recompute on for the unit, fn's
+// activations are dropped and recomputed in backward. In the reference it runs
+// fn directly. A failed collective throws c10::Error out of Forward (the only
+// way out of an autograd hook); let it propagate: the runner catches it.
+// Thread-compatible: the training thread only.
+class ShardContext {
+ public:
+  virtual ~ShardContext() = default;
+
+  virtual int num_units() const = 0;
+  // Runs unit `unit` (0-based, task numbering) around fn.
+  virtual at::Tensor Forward(int unit, const at::Tensor& input,
+                             const UnitFn& fn) = 0;
+  // Several inputs/outputs (no recompute: one input only).
+  virtual std::vector<at::Tensor> Forward(int unit,
+                                          const std::vector<at::Tensor>& inputs,
+                                          const UnitListFn& fn) = 0;
+};
+
+class Task {
+ public:
+  virtual ~Task() = default;
+
+  // Reported when joining: every worker of a job must run the same name and
+  // version.
+  virtual std::string Name() const = 0;
+  virtual int Version() const { return 1; }
+
+  // Once per process, first. Builds the model: everything outside the units,
+  // and the units too unless BuildUnit constructs them.
+  virtual absl::Status Build(const BuildContext& context) = 0;
+  // The whole model. Valid after Build().
+  virtual std::shared_ptr<torch::nn::Module> Model() = 0;
+
+  virtual int NumUnits() const = 0;
+  // Unit `index` in forward order (see "Units" and "Sharded initialisation").
+  virtual absl::StatusOr<UnitSpec> BuildUnit(int index) = 0;
+  // Drops what BuildUnit(index) constructed (nothing for tasks that build
+  // every unit in Build()).
+  virtual void ReleaseUnit(int /*index*/) {}
+
+  // After sharding (and in the reference): keep `context` to enter units.
+  virtual void Shard(ShardContext& context) = 0;
+
+  // The samples of one microbatch: a pure function of the request.
+  virtual absl::StatusOr<Batch> GetBatch(const BatchRequest& request) = 0;
+  // Forward of one microbatch: its mean loss, a scalar that requires grad.
+  virtual absl::StatusOr<at::Tensor> Loss(const Batch& batch) = 0;
+  // Tokens (or samples) per microbatch sample, for throughput reports.
+  virtual int64_t TokensPerSample() const { return 1; }
+
+  // The optimizer over `params` (this rank's shards, or the full parameters in
+  // the reference). nullptr (the default): the job's optimizer. The runner
+  // applies the job's learning-rate schedule to every parameter group.
+  virtual std::unique_ptr<torch::optim::Optimizer> MakeOptimizer(
+      const std::vector<at::Tensor>& params);
+};
+
+// What a task factory gets from the worker's command line.
+struct TaskArgs {
+  // --model
+  std::string model;
+  // --dims
+  std::string dims;
+  // --data: a text file, or a token file (see worker/README.md); empty: the
+  // task's default data.
+  std::string data;
+  // --vocab-size (0: the task's default).
+  int64_t vocab_size = 0;
+  // --task-option KEY=VALUE, repeatable: settings a user's task defines.
+  std::map<std::string, std::string> options;
+};
+
+using TaskFactory =
+    std::function<absl::StatusOr<std::unique_ptr<Task>>(const TaskArgs&)>;
+
+}  // namespace hsdp::train
+
+#endif  // HSDP_WORKER_TRAIN_TASK_H_

@@ -1,0 +1,26 @@
+// TrainingOptions (runner.h) as the coordinator sees them, and their checks.
+// Torch-free.
+#ifndef HSDP_WORKER_TRAIN_TRAINING_OPTIONS_H_
+#define HSDP_WORKER_TRAIN_TRAINING_OPTIONS_H_
+
+#include <string>
+
+#include "absl/status/status.h"
+#include "hsdp/v1/common.pb.h"
+#include "worker/train/runner.h"
+
+namespace hsdp::train {
+
+// INVALID_ARGUMENT naming the flag for values no job can run with (e.g.
+// "--param-dtype: 'fp16' is not fp32 or bf16").
+absl::Status ValidateTrainingOptions(const TrainingOptions& options);
+
+// What the worker reports when joining: every rank of a job must report the
+// same.
+hsdp::v1::TrainingSpec ToProto(const TrainingOptions& options,
+                               const TaskArgs& task_args,
+                               const std::string& task_name, int task_version);
+
+}  // namespace hsdp::train
+
+#endif  // HSDP_WORKER_TRAIN_TRAINING_OPTIONS_H_

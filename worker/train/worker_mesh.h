@@ -1,0 +1,39 @@
+// The communicators of one rank of a job, and the small mesh-wide agreements
+// the runner makes over them.
+#ifndef HSDP_WORKER_TRAIN_WORKER_MESH_H_
+#define HSDP_WORKER_TRAIN_WORKER_MESH_H_
+
+#include <c10/core/Device.h>
+
+#include <cstdint>
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "worker/comm/device_mesh.h"
+#include "worker/comm/store.h"
+#include "worker/train/runner.h"
+
+namespace hsdp::train {
+
+// Gloo over TCP (shared memory between ranks of one host) for CPU ranks; NCCL
+// (when built in) for CUDA ranks. Both bootstrap through `store`.
+absl::StatusOr<std::unique_ptr<comm::DeviceMesh>> BuildWorkerMesh(
+    const WorkerOptions& options, const comm::MeshShape& shape, int rank,
+    comm::Store& store, const c10::Device& device);
+
+// The mean of `value` over every rank of the mesh (shard group, then replicate
+// group). A collective. The value travels on `device`: NCCL reduces device
+// memory only.
+absl::StatusOr<double> MeshAverage(comm::DeviceMesh& mesh, double value,
+                                   const c10::Device& device);
+
+// OK when every rank passed the same `value`; else FAILED_PRECONDITION with
+// `what` and this rank's value. A collective (two MeshAverages: mean and mean
+// square agree only when all values are equal).
+absl::Status CheckSameOnAllRanks(comm::DeviceMesh& mesh, double value,
+                                 const c10::Device& device,
+                                 const std::string& what);
+
+}  // namespace hsdp::train
+
+#endif  // HSDP_WORKER_TRAIN_WORKER_MESH_H_
