@@ -1,0 +1,163 @@
+// Gradient scale: sharded training with plain SGD against single-process
+// training on the same global batch, comparing the gradients of every step as
+// well as the parameters. AdamW's update does not change when a gradient is
+// multiplied by a constant, so the AdamW parity tests cannot see a missing
+// 1/microbatches or a replicate all-reduce that sums instead of averaging;
+// plain SGD's update is the gradient itself.
+#include <torch/torch.h>
+
+#include <map>
+#include <mutex>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "tests/worker/fsdp/fsdp_test_util.h"
+
+namespace hsdp::fsdp::testing {
+namespace {
+
+constexpr int kSteps = 3;
+constexpr int kGlobalBatch = 12;  // divides every dp size x microbatches here
+constexpr double kLr = 0.5;
+constexpr double kTolerance = 2e-6;
+
+using Grads = std::vector<StateDict>;  // per step, full gradients by name
+
+at::Tensor Loss(const at::Tensor& logits, const at::Tensor& targets) {
+  return torch::nn::functional::cross_entropy(
+      logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}));
+}
+
+struct Sharded {
+  Grads grads;  // assembled from every rank's shard rows
+  StateDict params;
+  bool replicas_agree = true;
+};
+
+// Writes this rank's gradient rows into the full tensors of `out`, or checks
+// them against rows another replica wrote first.
+void PutRows(Engine& engine, StateDict& out, bool& agree, std::mutex& mu) {
+  std::map<std::string, ShardedTensor> layout = ShardedStateDict(engine);
+  std::lock_guard<std::mutex> lock(mu);
+  for (const auto& [name, shard] : engine.NamedParameters()) {
+    const ShardedTensor& st = layout.at(name);
+    if (!out.count(name)) {
+      out[name] = torch::full(st.global_shape, std::nan(""));
+    }
+    const int64_t rows = shard.size(0);
+    if (rows == 0) continue;
+    at::Tensor target = out[name].narrow(0, st.row_offset, rows);
+    const at::Tensor grad = shard.grad().defined()
+                                ? shard.grad().detach().to(torch::kFloat)
+                                : torch::zeros_like(shard);
+    if (torch::isnan(target).any().item<bool>()) {
+      target.copy_(grad);
+    } else if (!torch::equal(target, grad)) {
+      agree = false;
+    }
+  }
+}
+
+Sharded TrainSgdSharded(comm::MeshShape shape, int microbatches,
+                        const StateDict& init, const ModelDims& dims) {
+  Sharded result;
+  result.grads.resize(kSteps);
+  std::mutex mu;
+  RunConfig config;
+  config.dims = dims;
+  config.microbatches = microbatches;
+  RunOnMesh(shape, [&](RankContext& ctx) {
+    TinyTransformer model = MakeModel(dims, init);
+    std::unique_ptr<Engine> engine = MakeEngine(model, ctx.comms(), config);
+    torch::optim::SGD sgd(engine->Parameters(), torch::optim::SGDOptions(kLr));
+    const hsdp::v1::StepSchedule schedule =
+        MakeSchedule(engine->num_units(), config);
+    const int dp_size = shape.world_size();
+    const int local = kGlobalBatch / dp_size;
+    const int per_mb = local / microbatches;
+    for (int step = 0; step < kSteps; ++step) {
+      for (int mb = 0; mb < microbatches; ++mb) {
+        ASSERT_TRUE(engine->Apply(schedule, mb).ok());
+        auto [tokens, targets] =
+            Batch(dims, step, ctx.rank * local + mb * per_mb, per_mb);
+        at::Tensor loss =
+            Loss(EngineForward(*engine, model, tokens, false), targets) /
+            microbatches;
+        loss.backward();
+      }
+      PutRows(*engine, result.grads[step], result.replicas_agree, mu);
+      sgd.step();
+      sgd.zero_grad();
+    }
+    absl::StatusOr<StateDict> full = FullStateDict(*engine);
+    ASSERT_TRUE(full.ok()) << full.status();
+    if (ctx.rank == 0) result.params = *full;
+  });
+  return result;
+}
+
+struct Reference {
+  Grads grads;
+  StateDict params;
+};
+
+Reference TrainSgdReference(const StateDict& init, const ModelDims& dims) {
+  Reference result;
+  TinyTransformer model = MakeModel(dims, init);
+  torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(kLr));
+  for (int step = 0; step < kSteps; ++step) {
+    auto [tokens, targets] = Batch(dims, step, 0, kGlobalBatch);
+    Loss(model->forward(tokens), targets).backward();
+    StateDict grads;
+    for (const auto& item : model->named_parameters())
+      grads[item.key()] = item.value().grad().detach().clone();
+    result.grads.push_back(std::move(grads));
+    sgd.step();
+    sgd.zero_grad();
+  }
+  for (const auto& item : model->named_parameters())
+    result.params[item.key()] = item.value().detach().clone();
+  return result;
+}
+
+class GradientParityTest
+    : public ::testing::TestWithParam<std::tuple<int, int, int>> {};
+
+TEST_P(GradientParityTest, SgdGradientsAndParametersMatchSingleProcess) {
+  at::set_num_threads(1);
+  const auto [replicate, shard, microbatches] = GetParam();
+  ModelDims dims;
+  const StateDict init = MakeInitialState(dims, 3);
+  const Reference ref = TrainSgdReference(init, dims);
+  const Sharded got =
+      TrainSgdSharded({replicate, shard}, microbatches, init, dims);
+  EXPECT_TRUE(got.replicas_agree)
+      << "replicas of one shard index hold different gradients";
+  ASSERT_EQ(got.grads.size(), ref.grads.size());
+  for (int step = 0; step < kSteps; ++step) {
+    const double diff = MaxAbsDiff(got.grads[step], ref.grads[step]);
+    EXPECT_LT(diff, kTolerance) << "gradients of step " << step;
+    // The gradients are not all tiny: a wrong scale would show.
+    double largest = 0;
+    for (const auto& [name, g] : ref.grads[step])
+      largest = std::max(largest, g.abs().max().item<double>());
+    EXPECT_GT(largest, 100 * kTolerance);
+  }
+  EXPECT_LT(MaxAbsDiff(got.params, ref.params), kTolerance);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Meshes, GradientParityTest,
+    ::testing::Values(std::make_tuple(1, 2, 1), std::make_tuple(1, 2, 3),
+                      std::make_tuple(2, 1, 1), std::make_tuple(2, 1, 3),
+                      std::make_tuple(2, 2, 1), std::make_tuple(2, 2, 3)),
+    [](const auto& info) {
+      return absl::StrCat(std::get<0>(info.param), "x", std::get<1>(info.param),
+                          "_micro", std::get<2>(info.param));
+    });
+
+}  // namespace
+}  // namespace hsdp::fsdp::testing
