@@ -41,15 +41,17 @@ std::string FieldValue(const Message& m, const FieldDescriptor* field) {
 // Records the first difference as "path: got, want".
 class FirstDifference : public MessageDifferencer::Reporter {
  public:
+  // A proto3 scalar at its default counts as absent; Value() prints the
+  // default for it.
   void ReportAdded(
-      const Message&, const Message& want,
+      const Message& got, const Message& want,
       const std::vector<MessageDifferencer::SpecificField>& path) override {
-    Record(path, "(unset)", Value(want, path));
+    Record(path, Value(got, path), Value(want, path));
   }
   void ReportDeleted(
-      const Message& got, const Message&,
+      const Message& got, const Message& want,
       const std::vector<MessageDifferencer::SpecificField>& path) override {
-    Record(path, Value(got, path), "(unset)");
+    Record(path, Value(got, path), Value(want, path));
   }
   void ReportModified(
       const Message& got, const Message& want,
@@ -63,23 +65,16 @@ class FirstDifference : public MessageDifferencer::Reporter {
   const std::string& want() const { return want_; }
 
  private:
-  // The value at the end of `path` inside the top-level message `root`.
+  // The value of the last field of `path` in `parent`, the message that holds
+  // it (what the differencer passes to a reporter).
   static std::string Value(
-      const Message& root,
+      const Message& parent,
       const std::vector<MessageDifferencer::SpecificField>& path) {
-    const Message* m = &root;
-    for (size_t i = 0; i + 1 < path.size(); ++i) {
-      const FieldDescriptor* f = path[i].field;
-      if (f == nullptr || f->cpp_type() != FieldDescriptor::CPPTYPE_MESSAGE ||
-          f->is_repeated()) {
-        break;
-      }
-      m = &m->GetReflection()->GetMessage(*m, f);
-    }
     const FieldDescriptor* last = path.back().field;
-    if (last == nullptr) return "?";
+    if (last == nullptr || last->containing_type() != parent.GetDescriptor())
+      return "?";
     if (last->is_map()) return "(map entry)";
-    return FieldValue(*m, last);
+    return FieldValue(parent, last);
   }
 
   void Record(const std::vector<MessageDifferencer::SpecificField>& path,

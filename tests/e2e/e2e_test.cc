@@ -34,267 +34,14 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "gtest/gtest.h"
+#include "tests/e2e/cluster.h"
 
+namespace hsdp::e2e {
 namespace {
 
 namespace fs = std::filesystem;
-using Clock = std::chrono::steady_clock;
-
-constexpr char kBinDir[] = HSDP_BIN_DIR;
 constexpr int kWorkers = 4;
 constexpr char kMesh[] = "2x2";
-// Small enough for 4 processes on 2 cores, large enough to shard unevenly (seq
-// 24 rows). Four blocks: with reshard after forward, backward holds the current
-// block and the prefetched one (plus root) unsharded — fewer than all of them,
-// so turning reshard off visibly raises the peak.
-constexpr char kDims[] = "32,4,2,24";
-constexpr int kSteps = 40;
-constexpr auto kRunTimeout = std::chrono::seconds(150);
-
-// ---- processes
-// ---------------------------------------------------------------------------------
-
-struct Proc {
-  pid_t pid = -1;
-  std::string log;
-};
-
-Proc Spawn(const std::vector<std::string>& argv, const std::string& log) {
-  const pid_t pid = fork();
-  if (pid == 0) {
-    prctl(PR_SET_PDEATHSIG, SIGKILL);
-    const int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
-    dup2(fd, STDOUT_FILENO);
-    dup2(fd, STDERR_FILENO);
-    std::vector<char*> args;
-    for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-    args.push_back(nullptr);
-    execv(args[0], args.data());
-    _exit(127);
-  }
-  return Proc{pid, log};
-}
-
-// Exit code, 128 + signal, or -1 on timeout (the process is then killed).
-int Wait(const Proc& p, std::chrono::seconds timeout = kRunTimeout) {
-  const auto deadline = Clock::now() + timeout;
-  int status = 0;
-  while (waitpid(p.pid, &status, WNOHANG) == 0) {
-    if (Clock::now() > deadline) {
-      kill(p.pid, SIGKILL);
-      waitpid(p.pid, &status, 0);
-      return -1;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-}
-
-void Kill(const Proc& p, int sig = SIGKILL) {
-  kill(p.pid, sig);
-  int status;
-  waitpid(p.pid, &status, 0);
-}
-
-std::string ReadFile(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
-
-std::vector<std::string> Lines(const std::string& text) {
-  std::vector<std::string> out;
-  for (absl::string_view l : absl::StrSplit(text, '\n', absl::SkipEmpty()))
-    out.emplace_back(l);
-  return out;
-}
-
-std::string Bin(const std::string& name) {
-  return absl::StrCat(kBinDir, "/", name);
-}
-
-// ---- report lines
-// ------------------------------------------------------------------------------
-
-std::string Field(const std::string& line, const std::string& key) {
-  const std::string needle = absl::StrCat("\"", key, "\":");
-  size_t at = line.find(needle);
-  if (at == std::string::npos) return "";
-  at += needle.size();
-  if (line[at] == '"')
-    return line.substr(at + 1, line.find('"', at + 1) - at - 1);
-  return line.substr(at, line.find_first_of(",}", at) - at);
-}
-
-struct StepRecord {
-  int64_t step = 0;
-  std::string loss_hex;
-  double loss = 0;
-  int64_t peak = 0;
-  std::string reshard_after_forward;
-};
-
-std::vector<StepRecord> ReadReport(const std::string& path) {
-  std::vector<StepRecord> out;
-  for (const std::string& line : Lines(ReadFile(path))) {
-    StepRecord r;
-    EXPECT_TRUE(absl::SimpleAtoi(Field(line, "step"), &r.step)) << line;
-    r.loss_hex = Field(line, "loss_hex");
-    EXPECT_TRUE(absl::SimpleAtod(Field(line, "loss"), &r.loss)) << line;
-    absl::SimpleAtoi(Field(line, "peak_memory_bytes"), &r.peak);
-    r.reshard_after_forward = Field(line, "reshard_after_forward");
-    out.push_back(r);
-  }
-  return out;
-}
-
-int64_t StepsReported(const std::string& path) {
-  return static_cast<int64_t>(Lines(ReadFile(path)).size());
-}
-
-// ---- a local cluster
-// ---------------------------------------------------------------------------
-
-class Cluster {
- public:
-  explicit Cluster(const std::string& name) {
-    dir_ = (fs::path(::testing::TempDir()) /
-            absl::StrCat("hsdp-e2e-", name, "-", getpid()))
-               .string();
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-  }
-  ~Cluster() {
-    for (const Proc& p : workers_) kill(p.pid, SIGKILL);
-    if (coordinator_.pid > 0) kill(coordinator_.pid, SIGKILL);
-    for (const Proc& p : workers_) waitpid(p.pid, nullptr, 0);
-    if (coordinator_.pid > 0) waitpid(coordinator_.pid, nullptr, 0);
-    // Keep the logs of a failed test for inspection; clean up after a passing
-    // one.
-    if (!::testing::Test::HasFailure()) {
-      std::error_code ec;
-      fs::remove_all(dir_, ec);
-    }
-  }
-
-  // Starts the coordinator (port 0 picks one; a restart passes the old port).
-  void StartCoordinator(int world, const std::string& mesh, int port = 0,
-                        const std::string& policy_file = "") {
-    const std::string port_file = dir_ + "/port";
-    fs::remove(port_file);
-    std::vector<std::string> args = {Bin("hsdp-coordinator"),
-                                     "--job-id",
-                                     "e2e",
-                                     "--world-size",
-                                     std::to_string(world),
-                                     "--mesh",
-                                     mesh,
-                                     "--listen",
-                                     absl::StrCat("127.0.0.1:", port),
-                                     "--port-file",
-                                     port_file,
-                                     "--state-dir",
-                                     dir_ + "/state",
-                                     "--metrics-listen",
-                                     "",
-                                     "--heartbeat-timeout",
-                                     "30"};
-    if (!policy_file.empty()) {
-      args.push_back("--policy-file");
-      args.push_back(policy_file);
-    }
-    coordinator_ = Spawn(args, dir_ + "/coordinator.log");
-    const auto deadline = Clock::now() + std::chrono::seconds(20);
-    while (Clock::now() < deadline) {
-      std::string text = ReadFile(port_file);
-      if (absl::SimpleAtoi(absl::StripAsciiWhitespace(text), &port_) &&
-          port_ > 0)
-        return;
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    }
-    ADD_FAILURE() << "coordinator did not start: "
-                  << ReadFile(dir_ + "/coordinator.log");
-  }
-
-  void StartWorkers(int n, const std::vector<std::string>& extra = {},
-                    int64_t steps = kSteps) {
-    workers_.clear();
-    for (int r = 0; r < n; ++r) {
-      std::vector<std::string> args = {Bin("hsdp-worker"),
-                                       "--coordinator",
-                                       address(),
-                                       "--job-id",
-                                       "e2e",
-                                       "--rank-hint",
-                                       std::to_string(r),
-                                       "--model",
-                                       "gpt-tiny",
-                                       "--dims",
-                                       kDims,
-                                       "--steps",
-                                       std::to_string(steps),
-                                       "--microbatch-size",
-                                       "2",
-                                       "--gloo-hostname",
-                                       "127.0.0.1",
-                                       "--report-file",
-                                       report(r),
-                                       "--collective-timeout",
-                                       "60",
-                                       "--coordinator-timeout",
-                                       "60"};
-      args.insert(args.end(), extra.begin(), extra.end());
-      workers_.push_back(
-          Spawn(args, absl::StrCat(dir_, "/worker-", r, ".log")));
-    }
-  }
-
-  // Waits for every worker; expects exit 0 from each.
-  void WaitWorkers() {
-    for (size_t r = 0; r < workers_.size(); ++r) {
-      EXPECT_EQ(Wait(workers_[r]), 0)
-          << "worker " << r << ": " << ReadFile(workers_[r].log);
-    }
-    workers_.clear();
-  }
-
-  // Blocks until rank 0 reported at least `steps` steps (or the time runs out).
-  bool WaitForSteps(int64_t steps, int rank = 0) {
-    const auto deadline = Clock::now() + kRunTimeout;
-    while (Clock::now() < deadline) {
-      if (StepsReported(report(rank)) >= steps) return true;
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
-    return false;
-  }
-
-  int Ctl(const std::vector<std::string>& args, std::string* output = nullptr) {
-    std::vector<std::string> argv = {Bin("hsdpctl"), "--coordinator",
-                                     address()};
-    argv.insert(argv.end(), args.begin(), args.end());
-    const std::string log = dir_ + "/hsdpctl.out";
-    fs::remove(log);
-    const int rc = Wait(Spawn(argv, log), std::chrono::seconds(30));
-    if (output != nullptr) *output = ReadFile(log);
-    return rc;
-  }
-
-  std::string address() const { return absl::StrCat("127.0.0.1:", port_); }
-  int port() const { return port_; }
-  std::string report(int r) const {
-    return absl::StrCat(dir_, "/worker-", r, ".jsonl");
-  }
-  const std::string& dir() const { return dir_; }
-  Proc& coordinator() { return coordinator_; }
-  std::vector<Proc>& workers() { return workers_; }
-
- private:
-  std::string dir_;
-  Proc coordinator_;
-  int port_ = 0;
-  std::vector<Proc> workers_;
-};
 
 // The baseline 2x2 run every other run is compared with; run once per test
 // binary.
@@ -324,18 +71,6 @@ void ExpectSameAsBaseline(const Cluster& c) {
           << "rank " << r << " step " << s;
     }
   }
-}
-
-std::map<std::string, at::Tensor> LoadParams(const std::string& path) {
-  torch::serialize::InputArchive archive;
-  archive.load_from(path);
-  std::map<std::string, at::Tensor> out;
-  for (const std::string& key : archive.keys()) {
-    at::Tensor t;
-    archive.read(key, t);
-    out[key] = t;
-  }
-  return out;
 }
 
 TEST(E2eTest, ShardedTwoByTwoMatchesSingleProcessReference) {
@@ -480,20 +215,6 @@ TEST(E2eTest, CheckpointKillAllWorkersRestartContinuesIdentically) {
 // ---- bad use
 // -----------------------------------------------------------------------------------
 
-// Runs argv to completion; expects a non-zero exit and exactly one line on
-// stderr/stdout that contains `needle`.
-void ExpectOneLineError(const std::vector<std::string>& argv,
-                        const std::string& needle, const std::string& name) {
-  Cluster scratch("bad-" + name);  // a directory removed when the test passes
-  const std::string log = scratch.dir() + "/output.log";
-  const int rc = Wait(Spawn(argv, log), std::chrono::seconds(60));
-  const std::string out = ReadFile(log);
-  EXPECT_NE(rc, 0) << out;
-  EXPECT_NE(rc, -1) << "timed out: " << out;
-  EXPECT_EQ(Lines(out).size(), 1u) << out;
-  EXPECT_NE(out.find(needle), std::string::npos) << out;
-}
-
 TEST(E2eBadUseTest, UnknownModel) {
   ExpectOneLineError({Bin("hsdp-worker"), "--model", "gpt-enormous",
                       "--coordinator", "127.0.0.1:1"},
@@ -613,3 +334,5 @@ TEST(E2eControlTest, GradientAccumulationFromThePolicyMatchesReference) {
   EXPECT_NE(ReadFile(c.report(0)).find("\"microbatches\":2"),
             std::string::npos);
 }
+
+}  // namespace hsdp::e2e

@@ -1,0 +1,107 @@
+// End-to-end test harness: real hsdp-coordinator, hsdp-worker, hsdpctl and
+// hsdp-launch processes on loopback, their report files, and the one-line
+// error check. Thread-compatible; one Cluster per test.
+#ifndef HSDP_TESTS_E2E_CLUSTER_H_
+#define HSDP_TESTS_E2E_CLUSTER_H_
+
+#include <sys/types.h>
+#include <torch/types.h>
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace hsdp::e2e {
+
+using Clock = std::chrono::steady_clock;
+
+// Small enough for 4 processes on 2 cores, large enough to shard unevenly (seq
+// 24 rows). Four blocks: with reshard after forward, backward holds the current
+// block and the prefetched one (plus root) unsharded — fewer than all of them,
+// so turning reshard off visibly raises the peak.
+inline constexpr char kDims[] = "32,4,2,24";
+inline constexpr int kSteps = 40;
+inline constexpr auto kRunTimeout = std::chrono::seconds(150);
+
+struct Proc {
+  pid_t pid = -1;
+  std::string log;
+};
+
+// Starts argv[0] with stdout and stderr appended to `log`; the child dies with
+// the test.
+Proc Spawn(const std::vector<std::string>& argv, const std::string& log);
+// Exit code, 128 + signal, or -1 on timeout (the process is then killed).
+int Wait(const Proc& p, std::chrono::seconds timeout = kRunTimeout);
+void Kill(const Proc& p, int sig = 9);
+
+std::string ReadFile(const std::string& path);
+std::vector<std::string> Lines(const std::string& text);
+// A binary of the build under test (build/bin/NAME).
+std::string Bin(const std::string& name);
+
+// The value of "key" in one JSON report line (strings unquoted).
+std::string Field(const std::string& line, const std::string& key);
+
+struct StepRecord {
+  int64_t step = 0;
+  std::string loss_hex;
+  double loss = 0;
+  int64_t peak = 0;
+  std::string reshard_after_forward;
+};
+std::vector<StepRecord> ReadReport(const std::string& path);
+int64_t StepsReported(const std::string& path);
+
+// A LibTorch archive of named tensors (--final-params).
+std::map<std::string, at::Tensor> LoadParams(const std::string& path);
+
+// Runs argv to completion; expects a non-zero exit and exactly one line on
+// stderr/stdout that contains `needle`.
+void ExpectOneLineError(const std::vector<std::string>& argv,
+                        const std::string& needle, const std::string& name);
+
+// A coordinator and workers under a scratch directory that is removed when the
+// test passes (kept for inspection when it fails).
+class Cluster {
+ public:
+  explicit Cluster(const std::string& name);
+  ~Cluster();
+  Cluster(const Cluster&) = delete;
+  Cluster& operator=(const Cluster&) = delete;
+
+  // Starts the coordinator (port 0 picks one; a restart passes the old port).
+  void StartCoordinator(int world, const std::string& mesh, int port = 0,
+                        const std::string& policy_file = "");
+  // Starts n gpt-tiny workers with kDims (flags in `extra` come last and win).
+  void StartWorkers(int n, const std::vector<std::string>& extra = {},
+                    int64_t steps = kSteps);
+  // Starts one worker of rank hint `rank` with exactly these extra flags.
+  Proc StartWorker(int rank, const std::vector<std::string>& extra,
+                   int64_t steps);
+  // Waits for every worker; expects exit 0 from each.
+  void WaitWorkers();
+  // Blocks until `rank` reported at least `steps` steps (or the time runs out).
+  bool WaitForSteps(int64_t steps, int rank = 0);
+  // Runs hsdpctl against this cluster; returns its exit code.
+  int Ctl(const std::vector<std::string>& args, std::string* output = nullptr);
+
+  std::string address() const;
+  int port() const { return port_; }
+  std::string report(int r) const;
+  const std::string& dir() const { return dir_; }
+  Proc& coordinator() { return coordinator_; }
+  std::vector<Proc>& workers() { return workers_; }
+
+ private:
+  std::string dir_;
+  Proc coordinator_;
+  int port_ = 0;
+  std::vector<Proc> workers_;
+};
+
+}  // namespace hsdp::e2e
+
+#endif  // HSDP_TESTS_E2E_CLUSTER_H_
