@@ -105,21 +105,8 @@ absl::Status Membership::RestoreLocked() {
     w.id = record.worker_id();
     w.hostname = record.hostname();
     w.device = record.device();
-    switch (record.state()) {
-      case hsdp::v1::WORKER_STATE_LOST:
-        w.liveness = Liveness::kLost;
-        break;
-      case hsdp::v1::WORKER_STATE_EVICTED:
-        w.liveness = Liveness::kEvicted;
-        break;
-      case hsdp::v1::WORKER_STATE_FINISHED:
-        w.liveness = Liveness::kFinished;
-        break;
-      default:
-        w.liveness = Liveness::kAlive;
-        w.restored = true;
-        break;
-    }
+    w.liveness = FromRecordState(record.state());
+    w.restored = w.liveness == Liveness::kAlive;
     w.evicted = record.evicted();
     w.last_heartbeat = now;
     w.generation = record.generation();
@@ -210,20 +197,7 @@ absl::Status Membership::PersistLocked() {
           r->set_worker_id(id);
           r->set_hostname(w.hostname);
           r->set_device(w.device);
-          switch (w.liveness) {
-            case Liveness::kLost:
-              r->set_state(hsdp::v1::WORKER_STATE_LOST);
-              break;
-            case Liveness::kEvicted:
-              r->set_state(hsdp::v1::WORKER_STATE_EVICTED);
-              break;
-            case Liveness::kFinished:
-              r->set_state(hsdp::v1::WORKER_STATE_FINISHED);
-              break;
-            case Liveness::kAlive:
-              r->set_state(hsdp::v1::WORKER_STATE_ALIVE);
-              break;
-          }
+          r->set_state(RecordState(w.liveness));
           r->set_generation(w.generation);
           r->set_rank(w.rank);
           r->set_role(w.role);
@@ -261,6 +235,33 @@ absl::Status Membership::PersistLocked() {
       });
 }
 
+WorkerState Membership::RecordState(Liveness liveness) {
+  switch (liveness) {
+    case Liveness::kLost:
+      return hsdp::v1::WORKER_STATE_LOST;
+    case Liveness::kEvicted:
+      return hsdp::v1::WORKER_STATE_EVICTED;
+    case Liveness::kFinished:
+      return hsdp::v1::WORKER_STATE_FINISHED;
+    case Liveness::kAlive:
+      break;
+  }
+  return hsdp::v1::WORKER_STATE_ALIVE;
+}
+
+Membership::Liveness Membership::FromRecordState(WorkerState state) {
+  switch (state) {
+    case hsdp::v1::WORKER_STATE_LOST:
+      return Liveness::kLost;
+    case hsdp::v1::WORKER_STATE_EVICTED:
+      return Liveness::kEvicted;
+    case hsdp::v1::WORKER_STATE_FINISHED:
+      return Liveness::kFinished;
+    default:
+      return Liveness::kAlive;
+  }
+}
+
 absl::Status Membership::CheckJobId(absl::string_view job_id) const {
   if (job_id == options_.job_id) return absl::OkStatus();
   return absl::NotFoundError(absl::StrCat(
@@ -278,15 +279,23 @@ const Membership::Worker* Membership::FindLocked(int64_t worker_id) const {
   return it == workers_.end() ? nullptr : &it->second;
 }
 
+absl::StatusOr<Membership::Worker*> Membership::FindLiveLocked(
+    int64_t worker_id) {
+  Worker* w = FindLocked(worker_id);
+  if (w == nullptr) {
+    return absl::NotFoundError(absl::StrCat(
+        "worker ", worker_id, " is unknown to job ", options_.job_id,
+        " (a coordinator restarted without its state?): join again"));
+  }
+  if (absl::Status s = CheckNotLostLocked(*w); !s.ok()) return s;
+  return w;
+}
+
 absl::StatusOr<Membership::Worker*> Membership::ResolveLocked(int64_t worker_id,
                                                               int rank) {
   if (worker_id != 0) {
     Worker* w = FindLocked(worker_id);
-    if (w == nullptr) {
-      return absl::NotFoundError(absl::StrCat(
-          "worker ", worker_id, " is unknown to job ", options_.job_id,
-          " (a coordinator restarted without its state?): join again"));
-    }
+    if (w == nullptr) return FindLiveLocked(worker_id).status();
     return w;
   }
   const auto& ids = current_.info.worker_ids();

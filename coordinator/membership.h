@@ -384,6 +384,13 @@ class Membership {
   // `worker_id`, or the current member at `rank` when it is 0.
   absl::StatusOr<Worker*> ResolveLocked(int64_t worker_id, int rank)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // `worker_id`, which must be known (NOT_FOUND) and not lost
+  // (FAILED_PRECONDITION).
+  absl::StatusOr<Worker*> FindLiveLocked(int64_t worker_id)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A worker's liveness as persisted (ALIVE for a live one) and back.
+  static hsdp::v1::WorkerState RecordState(Liveness liveness);
+  static Liveness FromRecordState(hsdp::v1::WorkerState state);
   // FAILED_PRECONDITION for a lost worker.
   absl::Status CheckNotLostLocked(const Worker& w) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

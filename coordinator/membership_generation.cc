@@ -278,13 +278,9 @@ absl::StatusOr<AwaitResult> Membership::AwaitGeneration(
     if (shutdown_) {
       return absl::UnavailableError("coordinator is shutting down");
     }
-    Worker* w = FindLocked(worker_id);
-    if (w == nullptr) {
-      return absl::NotFoundError(absl::StrCat("worker ", worker_id,
-                                              " is unknown to job ",
-                                              options_.job_id, ": join again"));
-    }
-    if (absl::Status s = CheckNotLostLocked(*w); !s.ok()) return s;
+    absl::StatusOr<Worker*> found = FindLiveLocked(worker_id);
+    if (!found.ok()) return found.status();
+    Worker* w = *found;
     const bool member = IsMemberLocked(worker_id);
     if (!member && !w->ready && w->liveness == Liveness::kAlive) {
       // It is there after all: it may be placed, and may make the job grow.
@@ -354,12 +350,9 @@ absl::StatusOr<bool> Membership::ReportFailure(int64_t worker_id,
                                                int64_t generation, int64_t step,
                                                const std::string& detail) {
   absl::MutexLock lock(&mu_);
-  Worker* w = FindLocked(worker_id);
-  if (w == nullptr) {
-    return absl::NotFoundError(absl::StrCat(
-        "worker ", worker_id, " is unknown to job ", options_.job_id));
-  }
-  if (absl::Status s = CheckNotLostLocked(*w); !s.ok()) return s;
+  absl::StatusOr<Worker*> found = FindLiveLocked(worker_id);
+  if (!found.ok()) return found.status();
+  Worker* w = *found;
   if (generation > current_.info.generation()) {
     return absl::InvalidArgumentError(absl::StrCat("generation: ", generation,
                                                    " is ahead of the current ",
@@ -400,12 +393,7 @@ absl::StatusOr<CommitResult> Membership::CommitStep(int64_t worker_id,
     if (shutdown_) {
       return absl::UnavailableError("coordinator is shutting down");
     }
-    Worker* w = FindLocked(worker_id);
-    if (w == nullptr) {
-      return absl::NotFoundError(absl::StrCat(
-          "worker ", worker_id, " is unknown to job ", options_.job_id));
-    }
-    if (absl::Status s = CheckNotLostLocked(*w); !s.ok()) return s;
+    if (absl::Status s = FindLiveLocked(worker_id).status(); !s.ok()) return s;
     const int64_t current = current_.info.generation();
     if (generation > current) {
       return absl::FailedPreconditionError(

@@ -13,6 +13,7 @@
 #include "absl/time/clock.h"
 #include "common/units.h"
 #include "coordinator/membership.h"
+#include "coordinator/metrics.h"
 #include "coordinator/server.h"
 #include "gtest/gtest.h"
 #include "worker/agent/agent.h"
@@ -217,6 +218,19 @@ TEST_F(AgentElasticTest, FailureReportAbortsAWaitingVote) {
   ASSERT_TRUE(s.ok()) << s.status();
   EXPECT_EQ(s->schedule().generation(), 1);
   CommitBoth(*a, *b, 0, false);
+  // The failure and what it cost (measured up to that first commit).
+  const std::string metrics = server_->metrics().Serialize();
+  EXPECT_NE(metrics.find("hsdp_generation_ends_total{cause=\"FAILURE_CAUSE_"
+                         "REPORTED\"} 1"),
+            std::string::npos)
+      << metrics;
+  EXPECT_NE(metrics.find("hsdp_failure_seconds_count{phase=\"lost\"} 1"),
+            std::string::npos)
+      << metrics;
+  EXPECT_NE(metrics.find("hsdp_committed_step 0"), std::string::npos);
+  const coordinator::MembershipStatus status = server_->membership().Status();
+  ASSERT_TRUE(status.last_failure.has_value());
+  EXPECT_GT(status.last_failure->recovered_unix_ms(), 0);
 }
 
 // The coordinator restarts (same port, same state directory) while one vote

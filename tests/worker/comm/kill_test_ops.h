@@ -10,6 +10,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "tests/worker/comm/comm_test_util.h"
 #include "worker/comm/gloo_communicator.h"
 #include "worker/comm/shm_communicator.h"
 #include "worker/comm/store.h"
@@ -26,16 +27,8 @@ inline constexpr int64_t kKillTestElements = 1 << 14;
 inline absl::StatusOr<std::unique_ptr<Communicator>> MakeKillTestCommunicator(
     Store& store, const std::string& prefix, int rank, int world,
     const std::string& backend) {
-  GlooDeviceOptions device_options;
-  device_options.hostname = "127.0.0.1";
-  absl::StatusOr<std::shared_ptr<gloo::transport::Device>> device =
-      CreateGlooDevice(device_options);
-  if (!device.ok()) return device.status();
-  GlooCommunicatorOptions options;
-  options.name = "gloo:kill";
-  options.timeout = kKillTestTimeout;
   absl::StatusOr<std::unique_ptr<GlooCommunicator>> gloo =
-      GlooCommunicator::Create(store, prefix, rank, world, *device, options);
+      MakeGloo(store, prefix, rank, world, kKillTestTimeout);
   if (!gloo.ok()) return gloo.status();
   std::unique_ptr<Communicator> comm = *std::move(gloo);
   if (backend != "shm") return comm;
