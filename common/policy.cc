@@ -129,6 +129,10 @@ absl::Status ValidatePolicy(const Policy& policy, const UnitList& units) {
     return FieldError("all_reduce",
                       absl::StrCat("unknown value ", policy.all_reduce()));
   }
+  if (!hsdp::v1::BatchMode_IsValid(policy.batch_mode())) {
+    return FieldError("batch_mode",
+                      absl::StrCat("unknown value ", policy.batch_mode()));
+  }
   if (policy.checkpoint_interval() < 0) {
     return FieldError(
         "checkpoint_interval",
@@ -187,6 +191,9 @@ Policy ResolvePolicyDefaults(const Policy& policy) {
   }
   if (resolved.all_reduce() == hsdp::v1::ALL_REDUCE_MODE_UNSPECIFIED) {
     resolved.set_all_reduce(hsdp::v1::ALL_REDUCE_MODE_LAST_MICROBATCH);
+  }
+  if (resolved.batch_mode() == hsdp::v1::BATCH_MODE_UNSPECIFIED) {
+    resolved.set_batch_mode(hsdp::v1::BATCH_MODE_FIXED);
   }
   return resolved;
 }
@@ -273,6 +280,9 @@ std::string DescribePolicy(const Policy& policy) {
   absl::StrAppend(
       &out, "all_reduce:              ", AllReduceMode_Name(r.all_reduce()),
       mark(policy.all_reduce() == hsdp::v1::ALL_REDUCE_MODE_UNSPECIFIED), "\n");
+  absl::StrAppend(
+      &out, "batch_mode:              ", BatchMode_Name(r.batch_mode()),
+      mark(policy.batch_mode() == hsdp::v1::BATCH_MODE_UNSPECIFIED), "\n");
   absl::StrAppend(&out, "checkpoint_interval:     ",
                   r.checkpoint_interval() == 0
                       ? std::string("never")

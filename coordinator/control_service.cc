@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <iostream>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -81,12 +82,23 @@ grpc::Status ControlServiceImpl::GetStatus(
     HSDP_RETURN_IF_ERROR(Authenticate(*context));
     const Membership& m = *core_.membership;
     const ScheduleLog& log = *core_.schedule_log;
+    const MembershipStatus elastic = m.Status();
     response->set_job_id(m.job_id());
-    response->set_state(m.job_state());
+    response->set_state(elastic.job_state);
     response->set_world_size(m.world_size());
     *response->mutable_mesh() = MeshToProto(m.mesh());
-    response->set_workers_alive(m.workers_alive());
-    response->set_generation(m.generation());
+    response->set_workers_alive(elastic.members_alive);
+    response->set_generation(elastic.generation);
+    response->set_message(elastic.message);
+    response->set_last_committed_step(elastic.last_committed_step);
+    response->set_replicas(elastic.replicas);
+    response->set_min_replicas(m.options().min_replicas);
+    response->set_workers_standby(elastic.standby);
+    response->set_workers_joining(elastic.joining);
+    response->set_failures(elastic.failures);
+    if (elastic.last_failure.has_value()) {
+      *response->mutable_last_failure() = *elastic.last_failure;
+    }
     response->set_sealed_step(log.sealed_step());
     response->set_policy_version(log.CurrentPolicy().version);
     response->set_last_checkpoint_step(log.last_checkpoint_step());
@@ -107,15 +119,19 @@ grpc::Status ControlServiceImpl::ListWorkers(
     HSDP_RETURN_IF_ERROR(Authenticate(*context));
     for (const WorkerSnapshot& w : core_.membership->Workers()) {
       hsdp::v1::WorkerInfo* info = response->add_workers();
+      info->set_worker_id(w.worker_id);
       info->set_rank(w.rank);
       info->set_state(w.state);
       info->set_hostname(w.hostname);
       info->set_device(w.device);
-      info->set_replicate_index(w.coord.replicate_index);
-      info->set_shard_index(w.coord.shard_index);
+      info->set_replicate_index(w.rank >= 0 ? w.coord.replicate_index : -1);
+      info->set_shard_index(w.rank >= 0 ? w.coord.shard_index : -1);
       info->set_heartbeat_age_ms(absl::ToInt64Milliseconds(w.heartbeat_age));
+      info->set_generation(w.generation);
+      info->set_role(w.role);
+      for (const auto& event : w.history) *info->add_history() = event;
       hsdp::v1::StepReport report;
-      if (core_.reports->Latest(w.rank, &report))
+      if (core_.reports->Latest(w.worker_id, &report))
         *info->mutable_last_report() = report;
     }
     return absl::OkStatus();
@@ -163,8 +179,12 @@ grpc::Status ControlServiceImpl::GetSchedule(
   return ServeTracked(core_.calls, [&]() -> absl::Status {
     // First, so an unauthenticated call reads or changes nothing.
     HSDP_RETURN_IF_ERROR(Authenticate(*context));
-    HSDP_ASSIGN_OR_RETURN(std::shared_ptr<const SealedSchedule> sealed,
-                          core_.schedule_log->GetSealed(request->step()));
+    HSDP_ASSIGN_OR_RETURN(
+        std::shared_ptr<const SealedSchedule> sealed,
+        core_.schedule_log->GetSealed(
+            request->step(), request->has_generation()
+                                 ? std::optional<int64_t>(request->generation())
+                                 : std::nullopt));
     *response->mutable_schedule() = sealed->schedule;
     return absl::OkStatus();
   });
@@ -180,6 +200,35 @@ grpc::Status ControlServiceImpl::RequestCheckpoint(
     HSDP_ASSIGN_OR_RETURN(int64_t step,
                           core_.schedule_log->RequestCheckpoint());
     response->set_step(step);
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status ControlServiceImpl::EvictWorker(
+    grpc::ServerContext* context, const hsdp::v1::EvictWorkerRequest* request,
+    hsdp::v1::EvictWorkerResponse* response) {
+  return ServeTracked(core_.calls, [&]() -> absl::Status {
+    // First, so an unauthenticated call reads or changes nothing.
+    HSDP_RETURN_IF_ERROR(Authenticate(*context));
+    std::optional<int> rank;
+    std::optional<int64_t> worker_id;
+    switch (request->target_case()) {
+      case hsdp::v1::EvictWorkerRequest::kRank:
+        rank = request->rank();
+        break;
+      case hsdp::v1::EvictWorkerRequest::kWorkerId:
+        worker_id = request->worker_id();
+        break;
+      default:
+        return absl::InvalidArgumentError("target: set rank or worker_id");
+    }
+    HSDP_ASSIGN_OR_RETURN(EvictResult evicted,
+                          core_.membership->Evict(rank, worker_id));
+    response->set_worker_id(evicted.worker_id);
+    response->set_generation(evicted.generation);
+    std::cerr << "hsdp-coordinator: worker " << evicted.worker_id
+              << " evicted by an operator\n";
+    RefreshMembershipMetrics(core_);
     return absl::OkStatus();
   });
 }

@@ -49,6 +49,9 @@ class ControlServiceImpl final : public hsdp::v1::ControlService::Service {
   grpc::Status Drain(grpc::ServerContext* context,
                      const hsdp::v1::DrainRequest* request,
                      hsdp::v1::DrainResponse* response) override;
+  grpc::Status EvictWorker(grpc::ServerContext* context,
+                           const hsdp::v1::EvictWorkerRequest* request,
+                           hsdp::v1::EvictWorkerResponse* response) override;
 
  private:
   absl::Status Authenticate(const grpc::ServerContext& context) const;

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <iostream>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -28,19 +29,19 @@ constexpr absl::Duration kMinHeartbeatInterval = absl::Milliseconds(50);
 
 void ReportBook::Record(const hsdp::v1::StepReport& report) {
   absl::MutexLock lock(&mu_);
-  latest_[report.rank()] = report;
+  latest_[report.worker_id()] = report;
 }
 
-bool ReportBook::Latest(int rank, hsdp::v1::StepReport* report) const {
+bool ReportBook::Latest(int64_t worker_id, hsdp::v1::StepReport* report) const {
   absl::MutexLock lock(&mu_);
-  auto it = latest_.find(rank);
+  auto it = latest_.find(worker_id);
   if (it == latest_.end()) return false;
   *report = it->second;
   return true;
 }
 
 void RefreshMembershipMetrics(const CoordinatorCore& core) {
-  int alive = 0, lost = 0, finished = 0;
+  int alive = 0, lost = 0, finished = 0, standby = 0, joining = 0, evicted = 0;
   for (const WorkerSnapshot& w : core.membership->Workers()) {
     switch (w.state) {
       case hsdp::v1::WORKER_STATE_ALIVE:
@@ -52,13 +53,70 @@ void RefreshMembershipMetrics(const CoordinatorCore& core) {
       case hsdp::v1::WORKER_STATE_FINISHED:
         ++finished;
         break;
+      case hsdp::v1::WORKER_STATE_STANDBY:
+        ++standby;
+        break;
+      case hsdp::v1::WORKER_STATE_JOINING:
+        ++joining;
+        break;
+      case hsdp::v1::WORKER_STATE_EVICTED:
+        ++evicted;
+        break;
       default:
         break;
     }
   }
   core.metrics->SetWorkerCounts(alive, lost, finished);
+  core.metrics->SetElasticWorkerCounts(standby, joining, evicted);
   core.metrics->SetGeneration(core.membership->generation());
   core.metrics->SetSealedStep(core.schedule_log->sealed_step());
+}
+
+void CoreEvents::OnGenerationEnded(int64_t generation,
+                                   hsdp::v1::FailureCause cause) {
+  core_.kv_store->EndGeneration(core_.membership->job_id(), generation);
+  core_.metrics->RecordGenerationEnd(hsdp::v1::FailureCause_Name(cause));
+  std::cerr << "hsdp-coordinator: generation " << generation << " ended ("
+            << hsdp::v1::FailureCause_Name(cause) << ")\n";
+}
+
+void CoreEvents::OnGenerationFormed(const hsdp::v1::Generation& generation) {
+  GenerationContext context;
+  context.generation = generation.generation();
+  context.world_size = generation.worker_ids_size();
+  context.start_step = generation.start_step();
+  if (absl::Status s = core_.schedule_log->BeginGeneration(context); !s.ok()) {
+    std::cerr << "hsdp-coordinator: generation " << generation.generation()
+              << " not persisted in the schedule log: " << s << "\n";
+  }
+  core_.kv_store->DropGenerationsBefore(core_.membership->job_id(),
+                                        generation.generation());
+  core_.metrics->SetGeneration(generation.generation());
+  core_.metrics->SetReplicas(generation.mesh().replicate());
+  int heal_targets = 0;
+  for (const auto& heal : generation.heal_plans()) {
+    heal_targets += heal.target_ranks_size();
+  }
+  std::cerr << "hsdp-coordinator: generation " << generation.generation()
+            << " formed: mesh " << generation.mesh().replicate() << "x"
+            << generation.mesh().shard() << ", from step "
+            << generation.start_step() << ", " << heal_targets
+            << " rank(s) to heal\n";
+}
+
+void CoreEvents::OnStepCommitted(int64_t /*generation*/, int64_t step) {
+  core_.schedule_log->RecordCommitted(step);
+  core_.metrics->SetCommittedStep(step);
+}
+
+void CoreEvents::OnRecovered(const hsdp::v1::FailureRecord& failure) {
+  auto seconds = [](int64_t from_ms, int64_t to_ms) {
+    return static_cast<double>(to_ms - from_ms) / 1000.0;
+  };
+  core_.metrics->ObserveFailureCost(
+      seconds(failure.failed_unix_ms(), failure.ended_unix_ms()),
+      seconds(failure.ended_unix_ms(), failure.formed_unix_ms()),
+      seconds(failure.formed_unix_ms(), failure.recovered_unix_ms()));
 }
 
 absl::Time LongPollDeadline(const grpc::ServerContext& context) {
@@ -85,6 +143,7 @@ grpc::Status CoordinatorServiceImpl::Join(grpc::ServerContext* /*context*/,
     args.device = request->device();
     args.model = request->model();
     args.units = UnitListFromProto(request->units());
+    args.worker_id = request->worker_id();
     if (request->has_training()) args.training = request->training();
     HSDP_ASSIGN_OR_RETURN(JoinResult joined, core_.membership->Join(args));
     // Every successful join (not only the first) hands the model to the
@@ -103,14 +162,21 @@ grpc::Status CoordinatorServiceImpl::Join(grpc::ServerContext* /*context*/,
     const absl::Duration interval =
         std::max(kMinHeartbeatInterval,
                  core_.membership->heartbeat_timeout() / kHeartbeatsPerTimeout);
+    response->set_worker_id(joined.worker_id);
+    response->set_worker_state(joined.state);
     response->set_rank(joined.rank);
-    response->set_world_size(core_.membership->world_size());
-    *response->mutable_mesh() = MeshToProto(core_.membership->mesh());
-    response->set_replicate_index(joined.coord.replicate_index);
-    response->set_shard_index(joined.coord.shard_index);
-    response->set_generation(joined.generation);
-    response->set_rendezvous_prefix(
-        RendezvousPrefix(request->job_id(), joined.generation));
+    response->set_world_size(joined.generation.worker_ids_size());
+    *response->mutable_mesh() = joined.generation.mesh();
+    response->set_generation(joined.generation.generation());
+    if (joined.member) {
+      response->set_replicate_index(joined.coord.replicate_index);
+      response->set_shard_index(joined.coord.shard_index);
+      response->set_rendezvous_prefix(joined.generation.rendezvous_prefix());
+      *response->mutable_generation_info() = joined.generation;
+    } else {
+      response->set_replicate_index(-1);
+      response->set_shard_index(-1);
+    }
     response->set_heartbeat_interval_ms(
         static_cast<int32_t>(absl::ToInt64Milliseconds(interval)));
     response->set_last_checkpoint_step(
@@ -125,22 +191,77 @@ grpc::Status CoordinatorServiceImpl::Heartbeat(
     hsdp::v1::HeartbeatResponse* response) {
   return ServeTracked(core_.calls, [&]() -> absl::Status {
     HSDP_RETURN_IF_ERROR(core_.membership->CheckJobId(request->job_id()));
-    HSDP_RETURN_IF_ERROR(
-        core_.membership->Heartbeat(request->rank(), request->step()));
-    if (request->step() > 0) {
+    HSDP_ASSIGN_OR_RETURN(
+        HeartbeatResult beat,
+        core_.membership->Heartbeat(request->worker_id(), request->rank(),
+                                    request->step()));
+    const bool current =
+        request->worker_id() == 0 || request->generation() == beat.generation;
+    if (request->step() > 0 && beat.rank >= 0 && current) {
       // A worker on step s has completed s - 1. Feeding that to the read-ahead
       // window matters after a coordinator restart: completed steps are not
       // persisted, so without it the first unsealed step would wait for
       // reports that workers only send after getting it.
       hsdp::v1::StepReport progress;
-      progress.set_rank(request->rank());
+      progress.set_rank(beat.rank);
       progress.set_step(request->step() - 1);
       HSDP_RETURN_IF_ERROR(core_.schedule_log->RecordReport(progress));
     }
-    // A generation different from the request's tells the worker to
-    // re-rendezvous.
-    response->set_generation(core_.membership->generation());
-    response->set_job_state(core_.membership->job_state());
+    // A generation different from the request's (or a REFORMING job) tells a
+    // member to re-form.
+    response->set_generation(beat.generation);
+    response->set_job_state(beat.job_state);
+    response->set_worker_state(beat.worker_state);
+    response->set_message(beat.message);
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status CoordinatorServiceImpl::AwaitGeneration(
+    grpc::ServerContext* context,
+    const hsdp::v1::AwaitGenerationRequest* request,
+    hsdp::v1::AwaitGenerationResponse* response) {
+  return ServeTracked(core_.calls, [&]() -> absl::Status {
+    HSDP_RETURN_IF_ERROR(core_.membership->CheckJobId(request->job_id()));
+    HSDP_ASSIGN_OR_RETURN(AwaitResult result,
+                          core_.membership->AwaitGeneration(
+                              request->worker_id(), request->generation(),
+                              LongPollDeadline(*context)));
+    response->set_outcome(result.outcome);
+    *response->mutable_generation() = std::move(result.generation);
+    response->set_worker_state(result.worker_state);
+    response->set_message(std::move(result.message));
+    RefreshMembershipMetrics(core_);
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status CoordinatorServiceImpl::ReportFailure(
+    grpc::ServerContext* /*context*/,
+    const hsdp::v1::ReportFailureRequest* request,
+    hsdp::v1::ReportFailureResponse* response) {
+  return ServeTracked(core_.calls, [&]() -> absl::Status {
+    HSDP_RETURN_IF_ERROR(core_.membership->CheckJobId(request->job_id()));
+    HSDP_ASSIGN_OR_RETURN(bool ended,
+                          core_.membership->ReportFailure(
+                              request->worker_id(), request->generation(),
+                              request->step(), request->detail()));
+    response->set_ended(ended);
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status CoordinatorServiceImpl::CommitStep(
+    grpc::ServerContext* context, const hsdp::v1::CommitStepRequest* request,
+    hsdp::v1::CommitStepResponse* response) {
+  return ServeTracked(core_.calls, [&]() -> absl::Status {
+    HSDP_RETURN_IF_ERROR(core_.membership->CheckJobId(request->job_id()));
+    HSDP_ASSIGN_OR_RETURN(CommitResult result,
+                          core_.membership->CommitStep(
+                              request->worker_id(), request->generation(),
+                              request->step(), LongPollDeadline(*context)));
+    response->set_step(result.step);
+    response->set_reform_after(result.reform_after);
     return absl::OkStatus();
   });
 }
@@ -151,11 +272,19 @@ grpc::Status CoordinatorServiceImpl::GetSchedule(
   const absl::Time start = absl::Now();
   grpc::Status status = ServeTracked(core_.calls, [&]() -> absl::Status {
     HSDP_RETURN_IF_ERROR(core_.membership->CheckJobId(request->job_id()));
-    HSDP_RETURN_IF_ERROR(core_.membership->CheckMember(request->rank()));
-    HSDP_ASSIGN_OR_RETURN(ScheduleRead read,
-                          core_.schedule_log->GetSchedule(
-                              request->step(), core_.membership->generation(),
-                              LongPollDeadline(*context)));
+    // Clients with worker ids name their generation; the others (rank only)
+    // read the current one's.
+    HSDP_ASSIGN_OR_RETURN(
+        MemberContext member,
+        core_.membership->ResolveMember(
+            request->worker_id(), request->rank(),
+            request->worker_id() != 0
+                ? std::optional<int64_t>(request->generation())
+                : std::nullopt));
+    HSDP_ASSIGN_OR_RETURN(
+        ScheduleRead read,
+        core_.schedule_log->GetSchedule(request->step(), member.generation,
+                                        LongPollDeadline(*context)));
     if (read.drained) {
       response->set_drained(true);
       return absl::OkStatus();
@@ -177,16 +306,26 @@ grpc::Status CoordinatorServiceImpl::ReportStep(
     hsdp::v1::ReportStepResponse* /*response*/) {
   return ServeTracked(core_.calls, [&]() -> absl::Status {
     HSDP_RETURN_IF_ERROR(core_.membership->CheckJobId(request->job_id()));
-    const hsdp::v1::StepReport& report = request->report();
-    // A report is as good as a heartbeat (and checks the rank holds a live
-    // slot).
-    HSDP_RETURN_IF_ERROR(
-        core_.membership->Heartbeat(report.rank(), report.step()));
-    HSDP_RETURN_IF_ERROR(core_.schedule_log->RecordReport(report));
+    hsdp::v1::StepReport report = request->report();
+    // A report is as good as a heartbeat (and checks the worker is known and
+    // not lost).
+    HSDP_ASSIGN_OR_RETURN(
+        HeartbeatResult beat,
+        core_.membership->Heartbeat(report.worker_id(), report.rank(),
+                                    report.step()));
+    report.set_worker_id(beat.worker_id);
+    // Only the current generation's steps move its read-ahead window; a late
+    // report of an ended one still shows in ListWorkers and the metrics.
+    if (beat.rank >= 0 && (request->report().worker_id() == 0 ||
+                           report.generation() == beat.generation)) {
+      report.set_rank(beat.rank);
+      HSDP_RETURN_IF_ERROR(core_.schedule_log->RecordReport(report));
+    }
     core_.reports->Record(report);
     core_.metrics->RecordReport(report);
     if (request->finished()) {
-      HSDP_RETURN_IF_ERROR(core_.membership->MarkFinished(report.rank()));
+      HSDP_RETURN_IF_ERROR(
+          core_.membership->MarkFinished(beat.worker_id, report.rank()));
       RefreshMembershipMetrics(core_);
     }
     return absl::OkStatus();
@@ -197,10 +336,13 @@ absl::Status CoordinatorServiceImpl::CheckStoreScope(absl::string_view job_id,
                                                      int64_t generation) const {
   HSDP_RETURN_IF_ERROR(core_.membership->CheckJobId(job_id));
   const int64_t current = core_.membership->generation();
-  if (generation != current) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "generation ", generation, " is not the current generation ", current,
-        ": re-join to rendezvous again"));
+  const hsdp::v1::JobState state = core_.membership->job_state();
+  if (generation != current || state == hsdp::v1::JOB_STATE_REFORMING ||
+      state == hsdp::v1::JOB_STATE_FAILED) {
+    return absl::AbortedError(absl::StrCat(
+        "generation ", generation, " is not the current, running generation (",
+        current, ", ", hsdp::v1::JobState_Name(state),
+        "): abort the communicators and re-form"));
   }
   return absl::OkStatus();
 }
@@ -257,14 +399,12 @@ grpc::Status CoordinatorServiceImpl::StoreWait(
   });
 }
 
-void CoordinatorServiceImpl::SweepHeartbeats() {
-  const std::vector<int> lost = core_.membership->SweepHeartbeats();
-  if (lost.empty()) return;
-  const int64_t generation = core_.membership->generation();
-  std::cerr << "hsdp-coordinator: lost " << lost.size()
-            << " worker(s) (first: rank " << lost.front()
-            << "); generation is now " << generation << "\n";
-  core_.kv_store->DropGenerationsBefore(core_.membership->job_id(), generation);
+void CoordinatorServiceImpl::Tick() {
+  const std::vector<int64_t> lost = core_.membership->Tick();
+  if (!lost.empty()) {
+    std::cerr << "hsdp-coordinator: lost " << lost.size()
+              << " worker(s) (first: worker " << lost.front() << ")\n";
+  }
   RefreshMembershipMetrics(core_);
 }
 

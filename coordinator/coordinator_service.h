@@ -35,7 +35,8 @@ namespace hsdp::coordinator {
 // deadline, so a vanished client cannot pin a server thread forever.
 inline constexpr absl::Duration kMaxLongPoll = absl::Seconds(60);
 
-// The latest StepReport of every rank, for ListWorkers. Thread-safe.
+// The latest StepReport of every worker (by worker id), for ListWorkers.
+// Thread-safe.
 class ReportBook {
  public:
   ReportBook() = default;
@@ -43,13 +44,13 @@ class ReportBook {
   ReportBook& operator=(const ReportBook&) = delete;
 
   void Record(const hsdp::v1::StepReport& report) ABSL_LOCKS_EXCLUDED(mu_);
-  // False when the rank never reported.
-  bool Latest(int rank, hsdp::v1::StepReport* report) const
+  // False when the worker never reported.
+  bool Latest(int64_t worker_id, hsdp::v1::StepReport* report) const
       ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   mutable absl::Mutex mu_;
-  std::map<int, hsdp::v1::StepReport> latest_ ABSL_GUARDED_BY(mu_);
+  std::map<int64_t, hsdp::v1::StepReport> latest_ ABSL_GUARDED_BY(mu_);
 };
 
 // Counts calls being handled, so a graceful shutdown can wait for exactly those
@@ -117,6 +118,28 @@ grpc::Status ServeTracked(CallTracker* calls, Body&& body) {
 // walks all workers.
 void RefreshMembershipMetrics(const CoordinatorCore& core);
 
+// Carries membership events to the other components: a generation that ends
+// closes its rendezvous (waiting store calls fail ABORTED); a new one starts
+// the schedule log's generation (re-sealing uncommitted steps for its world)
+// and drops the old rendezvous keys; commits move the read-ahead window;
+// metrics count failures and the time they cost. Runs under Membership's
+// lock (see MembershipListener); thread-safe like the components it calls.
+class CoreEvents final : public MembershipListener {
+ public:
+  explicit CoreEvents(CoordinatorCore core) : core_(core) {}
+  CoreEvents(const CoreEvents&) = delete;
+  CoreEvents& operator=(const CoreEvents&) = delete;
+
+  void OnGenerationEnded(int64_t generation,
+                         hsdp::v1::FailureCause cause) override;
+  void OnGenerationFormed(const hsdp::v1::Generation& generation) override;
+  void OnStepCommitted(int64_t generation, int64_t step) override;
+  void OnRecovered(const hsdp::v1::FailureRecord& failure) override;
+
+ private:
+  const CoordinatorCore core_;
+};
+
 // The deadline of a blocking call: the call's own deadline, capped at now +
 // kMaxLongPoll.
 absl::Time LongPollDeadline(const grpc::ServerContext& context);
@@ -135,6 +158,17 @@ class CoordinatorServiceImpl final
   grpc::Status Heartbeat(grpc::ServerContext* context,
                          const hsdp::v1::HeartbeatRequest* request,
                          hsdp::v1::HeartbeatResponse* response) override;
+  grpc::Status AwaitGeneration(
+      grpc::ServerContext* context,
+      const hsdp::v1::AwaitGenerationRequest* request,
+      hsdp::v1::AwaitGenerationResponse* response) override;
+  grpc::Status ReportFailure(
+      grpc::ServerContext* context,
+      const hsdp::v1::ReportFailureRequest* request,
+      hsdp::v1::ReportFailureResponse* response) override;
+  grpc::Status CommitStep(grpc::ServerContext* context,
+                          const hsdp::v1::CommitStepRequest* request,
+                          hsdp::v1::CommitStepResponse* response) override;
   grpc::Status GetSchedule(grpc::ServerContext* context,
                            const hsdp::v1::GetScheduleRequest* request,
                            hsdp::v1::GetScheduleResponse* response) override;
@@ -151,13 +185,14 @@ class CoordinatorServiceImpl final
                          const hsdp::v1::StoreWaitRequest* request,
                          hsdp::v1::StoreWaitResponse* response) override;
 
-  // Marks silent workers LOST (bumping the generation and dropping old
-  // rendezvous keys). The server calls it periodically.
-  void SweepHeartbeats();
+  // Membership's time-driven work (lost workers, the confirm window, joiners
+  // waiting for a step boundary). The server calls it periodically.
+  void Tick();
 
  private:
-  // Store calls must name the current generation: a stale worker must re-join,
-  // not read or clobber the new generation's rendezvous.
+  // Store calls must name the current, running generation: a stale worker
+  // must re-form (ABORTED), not read or clobber another generation's
+  // rendezvous.
   absl::Status CheckStoreScope(absl::string_view job_id,
                                int64_t generation) const;
 

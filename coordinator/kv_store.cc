@@ -39,9 +39,14 @@ absl::Status KvStore::Set(absl::string_view job_id, int64_t generation,
   return absl::OkStatus();
 }
 
+bool KvStore::EndedLocked(const Scope& scope) const {
+  auto it = ended_through_.find(scope.first);
+  return it != ended_through_.end() && scope.second <= it->second;
+}
+
 bool KvStore::ReadyLocked(const Scope& scope,
                           const std::vector<std::string>& keys) const {
-  if (shutdown_) return true;
+  if (shutdown_ || EndedLocked(scope)) return true;
   auto it = scopes_.find(scope);
   if (it == scopes_.end()) return keys.empty();
   for (const auto& key : keys) {
@@ -62,6 +67,11 @@ absl::Status KvStore::WaitLocked(const Scope& scope,
   // mu_ is released by a writer.
   mu_.AwaitWithDeadline(absl::Condition(&ready), deadline);
   if (shutdown_) return absl::UnavailableError("coordinator is shutting down");
+  if (EndedLocked(scope)) {
+    return absl::AbortedError(
+        absl::StrCat("generation ", scope.second,
+                     " ended: its rendezvous is over; re-form"));
+  }
   auto it = scopes_.find(scope);
   for (const auto& key : keys) {
     if (it == scopes_.end() || it->second.find(key) == it->second.end()) {
@@ -100,6 +110,16 @@ void KvStore::DropGenerationsBefore(absl::string_view job_id,
     } else {
       ++it;
     }
+  }
+}
+
+void KvStore::EndGeneration(absl::string_view job_id, int64_t generation) {
+  absl::MutexLock lock(&mu_);
+  auto it = ended_through_.find(job_id);
+  if (it == ended_through_.end()) {
+    ended_through_.emplace(std::string(job_id), generation);
+  } else {
+    it->second = std::max(it->second, generation);
   }
 }
 

@@ -2,7 +2,8 @@
 // in a namespace per (job id, generation), so a new generation starts from an
 // empty store and stale workers cannot read or clobber the new one's keys. Get
 // and Wait block (condition waits on an absl::Mutex) until the keys exist, the
-// timeout passes (DEADLINE_EXCEEDED) or Shutdown() is called (UNAVAILABLE).
+// timeout passes (DEADLINE_EXCEEDED), the generation ends (ABORTED) or
+// Shutdown() is called (UNAVAILABLE).
 #ifndef HSDP_COORDINATOR_KV_STORE_H_
 #define HSDP_COORDINATOR_KV_STORE_H_
 
@@ -57,6 +58,11 @@ class KvStore {
   // rendezvous).
   void DropGenerationsBefore(absl::string_view job_id, int64_t generation);
 
+  // `generation` (and every earlier one) of `job_id` ended: waiters in those
+  // scopes fail at once with ABORTED, and so do later Get/Wait calls there —
+  // a rendezvous of a generation that ended can never complete.
+  void EndGeneration(absl::string_view job_id, int64_t generation);
+
   // Wakes all waiters with UNAVAILABLE; later blocking calls fail at once.
   void Shutdown();
 
@@ -80,6 +86,10 @@ class KvStore {
   std::map<Scope, std::map<std::string, std::string, std::less<>>> scopes_
       ABSL_GUARDED_BY(mu_);
   bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
+  // Per job: the latest generation that ended.
+  std::map<std::string, int64_t, std::less<>> ended_through_
+      ABSL_GUARDED_BY(mu_);
+  bool EndedLocked(const Scope& scope) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 };
 
 }  // namespace hsdp::coordinator

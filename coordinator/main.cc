@@ -43,6 +43,9 @@ struct Flags {
   std::string metrics_listen = "0.0.0.0:9090";
   double heartbeat_timeout_s = 10;
   int read_ahead = hsdp::coordinator::kDefaultReadAhead;
+  int min_replicas = 1;
+  double join_wait_s = 60;
+  double reform_window_s = 5;
   std::string tls_cert;
   std::string tls_key;
   std::string control_token_file;
@@ -96,6 +99,18 @@ absl::StatusOr<JobConfig> BuildJobConfig(const Flags& f) {
   if (f.read_ahead < 0)
     return absl::InvalidArgumentError("--read-ahead must be >= 0");
   job.read_ahead = f.read_ahead;
+  if (f.min_replicas < 1 || f.min_replicas > job.mesh.replicate) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--min-replicas ", f.min_replicas, " is outside [1, ",
+                     job.mesh.replicate, "] (the mesh's replica groups)"));
+  }
+  job.min_replicas = f.min_replicas;
+  if (f.join_wait_s < 0)
+    return absl::InvalidArgumentError("--join-wait must be >= 0");
+  job.join_wait = absl::Seconds(f.join_wait_s);
+  if (f.reform_window_s < 0)
+    return absl::InvalidArgumentError("--reform-window must be >= 0");
+  job.reform_window = absl::Seconds(f.reform_window_s);
   return job;
 }
 
@@ -159,6 +174,17 @@ int main(int argc, char** argv) {
                  "Seconds before a worker is lost")
       ->envname("HSDP_HEARTBEAT_TIMEOUT");
   app.add_option("--read-ahead", f.read_ahead, "Steps workers may read ahead");
+  app.add_option("--min-replicas", f.min_replicas,
+                 "Fewest replica groups a generation may train with")
+      ->envname("HSDP_MIN_REPLICAS");
+  app.add_option("--join-wait", f.join_wait_s,
+                 "Seconds a joining worker (or an eviction) waits for a step "
+                 "boundary")
+      ->envname("HSDP_JOIN_WAIT");
+  app.add_option("--reform-window", f.reform_window_s,
+                 "Seconds an ending generation waits for its members to "
+                 "confirm")
+      ->envname("HSDP_REFORM_WINDOW");
   app.add_option("--tls-cert", f.tls_cert, "PEM certificate (TLS)")
       ->envname("HSDP_TLS_CERT");
   app.add_option("--tls-key", f.tls_key, "PEM private key (TLS)")

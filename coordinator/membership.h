@@ -1,45 +1,67 @@
-// Membership of one job: rank assignment, the job's model (unit list),
-// heartbeats, lost workers, the generation and the job state.
+// Membership of one job: workers (one id per process incarnation), the job's
+// model, heartbeats, and the generations — one fixed membership and mesh each
+// — with the commit of every step. The protocol a worker follows is in
+// worker/agent/ELASTIC.md; the rules the coordinator follows are here.
 //
-// Join rules:
-// - Rank hint given (0 <= hint < world): a free slot is taken; a slot whose
-//   holder is LOST, or is a restored-but-unconfirmed holder on the same host
-//   (see Restart), is taken over; a slot held by an ALIVE or FINISHED worker
-//   (or restored on another host) is ALREADY_EXISTS "rank N is taken by host
-//   H". A hint outside [0, world) is INVALID_ARGUMENT.
-// - No hint: the lowest free slot, else the lowest LOST slot; none left is
-//   RESOURCE_EXHAUSTED.
-// - The first joiner's model name + unit list become the job's model
-//   (persisted); a later joiner with a different model or list is
-//   FAILED_PRECONDITION naming the first differing unit. A malformed unit list
-//   is INVALID_ARGUMENT.
-// - The first joiner that reports training settings makes them the job's
-//   (persisted); a later joiner whose settings differ is FAILED_PRECONDITION
-//   naming the field (CompareTrainingSpecs).
-// - A refused join changes nothing.
+// Workers. Join hands out a new worker id (never reused). The first
+// generation is "open": a joiner takes a free rank at once (its hint, else the
+// lowest free one; a hint held by a live worker is ALREADY_EXISTS, outside
+// [0, world) INVALID_ARGUMENT). Once every rank is taken it is active, and
+// later joiners wait (JOINING) in AwaitGeneration for a generation that
+// includes them. Non-members (joining or standby) are capped at the world
+// size (RESOURCE_EXHAUSTED beyond). The first joiner's model name and unit
+// list become the job's; a later joiner with another model is
+// FAILED_PRECONDITION naming the first differing unit, a malformed unit list
+// INVALID_ARGUMENT. The first joiner that reports training settings makes them
+// the job's (persisted); a later joiner whose settings differ is
+// FAILED_PRECONDITION naming the field (CompareTrainingSpecs). A refused join
+// changes nothing.
 //
-// Heartbeats: a worker not heard from for `heartbeat_timeout` (by the
-// injectable clock) is marked LOST by SweepHeartbeats() (Join sweeps too), the
-// job becomes DEGRADED and the generation is bumped (once per sweep that loses
-// someone). Taking over a LOST slot does not bump it again.
+// A generation ends (ENDING) when one of its members
+// - is lost: no heartbeat within `heartbeat_timeout` (Tick(); while the first
+//   generation is still open the rank is simply freed),
+// - reports a failed collective (ReportFailure: at once, no heartbeat wait),
+// - was evicted, or joiners can complete another replica group (then at the
+//   next step boundary — the commit of a step — or after `join_wait` without
+//   one, aborting the step in flight).
+// Members confirm they are alive by calling AwaitGeneration while it ends;
+// once every live member confirmed, or `reform_window` passed, the next one is
+// formed (generation_plan.h) from the confirmed members (the holders of the
+// state), the standby workers and the joiners, starting at the last committed
+// step + 1. Unconfirmed members stand by. Too few workers for min_replicas
+// groups: no generation until more join (the job WAITs; the holders keep the
+// state). A shard index without a live holder: the job FAILs (the hook to
+// restart from the latest checkpoint instead is NoLiveCopy()).
 //
-// Restart: with a StateStore, the model, generation and members (rank, host,
-// device) are persisted. After a restart the members come back "restored":
-// alive for status purposes, their heartbeat clock starting at the restart. A
-// heartbeat confirms them (workers simply continue); a Join with their rank
-// hint from the same hostname takes the slot over (the worker re-joining after
-// a coordinator restart) without a generation bump; if they stay silent they
-// become LOST like anyone else. The draining flag is not persisted: the server
-// re-applies it from ScheduleLog::drain_step() at start-up.
+// Steps commit in two phases: every member votes (CommitStep) after the
+// step's collectives and before its optimizer step; the last vote commits the
+// step for all (persisted first); a generation that ends before the last vote
+// aborts the step (ABORTED) for every voter, and the next generation trains it
+// again. A step commits once: a re-vote of a committed step answers the same.
 //
-// Job state: FINISHED when every rank finished; else DRAINING when
-// SetDraining(true); else DEGRADED when some slot is LOST; else WAITING when a
-// slot is free; else RUNNING.
+// Restart: with a StateStore, the model, workers (id, host, device, state,
+// history), the current generation and the failure record are persisted on
+// every change, and the last committed step in its own small file on every
+// commit. After a restart live workers come back "restored" (heartbeat clock
+// from the restart); a heartbeat, or a Join carrying their worker id (or, for
+// clients without ids, their rank hint from the same host), confirms them in
+// place, without a new generation; silent ones are lost like anyone else.
+// Votes and confirmations are not persisted: workers retry and re-send them.
+//
+// Job state: FAILED (no live copy); else WAITING while the first generation
+// has free ranks or no generation can be formed; FINISHED when every member
+// finished; DRAINING when SetDraining(true); REFORMING while a generation
+// ends; DEGRADED when running with fewer replica groups than the mesh;
+// else RUNNING.
 #ifndef HSDP_COORDINATOR_MEMBERSHIP_H_
 #define HSDP_COORDINATOR_MEMBERSHIP_H_
 
 #include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -52,35 +74,88 @@
 #include "common/clock.h"
 #include "common/mesh.h"
 #include "common/units.h"
+#include "coordinator/generation_plan.h"
+#include "coordinator/schedule_log.h"
 #include "coordinator/state_store.h"
 #include "hsdp/v1/common.pb.h"
+#include "hsdp/v1/control_service.pb.h"
+#include "hsdp/v1/coordinator_service.pb.h"
 
 namespace hsdp::coordinator {
 
+// History entries kept per worker (the oldest are dropped).
+inline constexpr int kMaxWorkerHistory = 32;
+// Workers that left (lost, evicted, finished) kept for ListWorkers.
+inline constexpr int kMaxDepartedWorkers = 256;
+
 struct JoinArgs {
-  // Unset or negative: no preference.
+  // Unset or negative: no preference. Used in the open first generation.
   std::optional<int> rank_hint;
   std::string hostname;
   std::string device;
   std::string model;
   UnitList units;
+  // Non-zero: re-joining a restarted coordinator as this worker.
+  int64_t worker_id = 0;
   // The worker's training settings; unset: not checked.
   std::optional<hsdp::v1::TrainingSpec> training;
 };
 
 struct JoinResult {
-  int rank = 0;
+  int64_t worker_id = 0;
+  // A member of the current generation: `rank`, `coord` and `generation` say
+  // where.
+  bool member = false;
+  int rank = -1;
   MeshCoord coord;
-  int64_t generation = 0;
+  hsdp::v1::Generation generation;
+  hsdp::v1::WorkerState state = hsdp::v1::WORKER_STATE_UNSPECIFIED;
   // This join established the job's model.
   bool established_model = false;
-  // This join took over a LOST or restored slot.
+  // This join took a restored place back (coordinator restart).
   bool replaced = false;
 };
 
-// A snapshot of one slot, for ListWorkers/status/metrics.
-struct WorkerSnapshot {
+struct HeartbeatResult {
+  int64_t worker_id = 0;
+  // Rank in the current generation (running), -1 otherwise.
+  int rank = -1;
+  int64_t generation = 0;
+  hsdp::v1::JobState job_state = hsdp::v1::JOB_STATE_UNSPECIFIED;
+  hsdp::v1::WorkerState worker_state = hsdp::v1::WORKER_STATE_UNSPECIFIED;
+  std::string message;
+};
+
+// A worker-scoped call resolved to a member of the current generation.
+struct MemberContext {
+  int64_t worker_id = 0;
   int rank = 0;
+  GenerationContext generation;
+};
+
+struct AwaitResult {
+  hsdp::v1::AwaitOutcome outcome = hsdp::v1::AWAIT_OUTCOME_UNSPECIFIED;
+  hsdp::v1::Generation generation;
+  hsdp::v1::WorkerState worker_state = hsdp::v1::WORKER_STATE_UNSPECIFIED;
+  std::string message;
+};
+
+struct CommitResult {
+  int64_t step = 0;
+  bool reform_after = false;
+};
+
+struct EvictResult {
+  int64_t worker_id = 0;
+  // The generation that ends without it, or -1.
+  int64_t generation = -1;
+};
+
+// A snapshot of one worker, for ListWorkers/status/metrics.
+struct WorkerSnapshot {
+  int64_t worker_id = 0;
+  // Rank in the current generation, -1 when not a member.
+  int rank = -1;
   hsdp::v1::WorkerState state = hsdp::v1::WORKER_STATE_UNSPECIFIED;
   std::string hostname;
   std::string device;
@@ -90,9 +165,45 @@ struct WorkerSnapshot {
   bool restored = false;
   // Step from the latest heartbeat (-1 if none).
   int64_t step = -1;
+  // The generation it is (or was last) a member of, -1 if none, and its role.
+  int64_t generation = -1;
+  hsdp::v1::GenerationRole role = hsdp::v1::GENERATION_ROLE_UNSPECIFIED;
+  std::vector<hsdp::v1::WorkerEvent> history;
 };
 
-// Thread-safe; every method takes the internal mutex.
+// The elastic state, for GetStatus.
+struct MembershipStatus {
+  hsdp::v1::JobState job_state = hsdp::v1::JOB_STATE_UNSPECIFIED;
+  int64_t generation = 0;
+  int replicas = 0;
+  int members_alive = 0;
+  int standby = 0;
+  int joining = 0;
+  int64_t last_committed_step = -1;
+  // While a generation ends: its members that confirmed so far.
+  int confirmed = 0;
+  std::string message;
+  int64_t failures = 0;
+  std::optional<hsdp::v1::FailureRecord> last_failure;
+};
+
+// What Membership tells the rest of the coordinator. Called with the
+// Membership lock held: implementations must not call back into Membership
+// (they may call the schedule log, the store, metrics).
+class MembershipListener {
+ public:
+  virtual ~MembershipListener() = default;
+  // `generation` ended (its rendezvous and votes are over).
+  virtual void OnGenerationEnded(int64_t generation,
+                                 hsdp::v1::FailureCause cause) = 0;
+  virtual void OnGenerationFormed(const hsdp::v1::Generation& generation) = 0;
+  virtual void OnStepCommitted(int64_t generation, int64_t step) = 0;
+  // The first step after a failure committed: the failure's cost is known.
+  virtual void OnRecovered(const hsdp::v1::FailureRecord& failure) = 0;
+};
+
+// Thread-safe; every method takes the internal mutex. The long polls
+// (AwaitGeneration, CommitStep) wait on it until their deadline.
 class Membership {
  public:
   struct Options {
@@ -100,63 +211,118 @@ class Membership {
     int world_size = 1;
     MeshShape mesh;
     absl::Duration heartbeat_timeout = absl::Seconds(10);
+    // Generations of fewer replica groups are not formed (the job waits).
+    int min_replicas = 1;
+    // How long a joining worker (or an eviction) waits for a step boundary
+    // before the generation is ended anyway.
+    absl::Duration join_wait = absl::Seconds(60);
+    // How long an ending generation waits for its live members to confirm.
+    absl::Duration reform_window = absl::Seconds(5);
     // Null: Clock::Real().
     Clock* clock = nullptr;
   };
 
-  // Validates the options (world >= 1, mesh matches world: INVALID_ARGUMENT)
-  // and restores the model, generation and members from `store` when it holds
-  // them (store may be null; must outlive this object). A store whose job
-  // record names a different job id, world or mesh is FAILED_PRECONDITION; a
-  // store without a job record gets this job's record.
+  // Validates the options (world >= 1, mesh matches world, positive timeout,
+  // 1 <= min_replicas <= mesh.replicate: INVALID_ARGUMENT) and restores the
+  // state from `store` when it holds one (store may be null; must outlive
+  // this object). A store whose job record names a different job id, world or
+  // mesh is FAILED_PRECONDITION; a store without a job record gets this job's
+  // record.
   static absl::StatusOr<std::unique_ptr<Membership>> Create(Options options,
                                                             StateStore* store);
 
   Membership(const Membership&) = delete;
   Membership& operator=(const Membership&) = delete;
 
+  // Set once, before serving; must outlive this object.
+  void SetListener(MembershipListener* listener) ABSL_LOCKS_EXCLUDED(mu_);
+
   // NOT_FOUND "job X is not served here (this coordinator runs job Y)" for
   // another id.
   absl::Status CheckJobId(absl::string_view job_id) const;
 
-  absl::StatusOr<JoinResult> Join(const JoinArgs& args);
+  absl::StatusOr<JoinResult> Join(const JoinArgs& args)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
-  // Records a heartbeat. NOT_FOUND if the rank holds no slot (never joined /
-  // out of range), FAILED_PRECONDITION if it was declared LOST (it must
-  // re-join). `step` is informational.
-  absl::Status Heartbeat(int rank, int64_t step);
+  // Records a heartbeat of `worker_id` (or, when 0, of `rank` in the current
+  // generation). NOT_FOUND for an unknown worker, FAILED_PRECONDITION if it
+  // was declared lost (it must join again). An evicted worker gets OK with
+  // its state and the reason. `step` is informational.
+  absl::StatusOr<HeartbeatResult> Heartbeat(int64_t worker_id, int rank,
+                                            int64_t step)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
-  // OK iff `rank` currently holds a live (alive, restored or finished) slot;
-  // NOT_FOUND or FAILED_PRECONDITION (lost) otherwise. For per-rank RPCs
-  // (GetSchedule, ReportStep).
-  absl::Status CheckMember(int rank) const;
+  // The member a per-step call comes from: `worker_id` (or `rank` when 0),
+  // which must be a member of the current generation. With `generation` set
+  // (worker ids only) the caller's generation must be the current, active
+  // one: ABORTED otherwise ("re-form"). NOT_FOUND / FAILED_PRECONDITION for
+  // unknown, lost or non-member workers.
+  absl::StatusOr<MemberContext> ResolveMember(
+      int64_t worker_id, int rank, std::optional<int64_t> generation) const
+      ABSL_LOCKS_EXCLUDED(mu_);
 
-  // Marks the rank FINISHED (it reported its last step). Same errors as
-  // CheckMember.
-  absl::Status MarkFinished(int rank);
+  // Marks the worker FINISHED (it reported its last step).
+  absl::Status MarkFinished(int64_t worker_id, int rank)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
-  // Marks workers silent for longer than the timeout LOST; bumps the generation
-  // once if any was lost. Returns the ranks newly lost. Call periodically (e.g.
-  // every timeout/4).
-  std::vector<int> SweepHeartbeats();
+  // The long poll of coordinator_service.proto's AwaitGeneration. Returns
+  // DEADLINE_EXCEEDED when nothing changed by `deadline` (real time),
+  // UNAVAILABLE after Shutdown().
+  absl::StatusOr<AwaitResult> AwaitGeneration(int64_t worker_id,
+                                              int64_t known_generation,
+                                              absl::Time deadline)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
-  // Bumps the generation (persisted) and returns the new one, e.g. if the
-  // service decides a restart requires a new rendezvous.
-  int64_t BumpGeneration();
+  // Ends `generation` if it is the current, active one; returns whether this
+  // call ended it. The reporter must have been a member of it.
+  absl::StatusOr<bool> ReportFailure(int64_t worker_id, int64_t generation,
+                                     int64_t step, const std::string& detail)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
-  void SetDraining(bool draining);
+  // The long poll of CommitStep: OK once every member voted for `step`,
+  // ABORTED when the generation ended first, DEADLINE_EXCEEDED at
+  // `deadline` (vote again), UNAVAILABLE after Shutdown() or when the commit
+  // could not be persisted (vote again). OUT_OF_RANGE for a step other than
+  // the next one to commit.
+  absl::StatusOr<CommitResult> CommitStep(int64_t worker_id, int64_t generation,
+                                          int64_t step, absl::Time deadline)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
-  hsdp::v1::JobState job_state() const;
-  int64_t generation() const;
-  int workers_alive()
-      const;  // ALIVE + restored (not LOST, not FINISHED, not free)
-  std::vector<WorkerSnapshot> Workers() const;  // joined slots, by rank
+  // Takes a worker out (by rank in the current generation, or by id); see the
+  // class comment for when its generation ends. NOT_FOUND for an unknown
+  // target, FAILED_PRECONDITION for a worker that already left.
+  absl::StatusOr<EvictResult> Evict(std::optional<int> rank,
+                                    std::optional<int64_t> worker_id)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Time-driven work, called periodically (every heartbeat_timeout / 4 or
+  // so): loses silent workers, forms the next generation once the confirm
+  // window passed, ends a generation whose joiners or eviction waited
+  // join_wait for a step boundary. Returns the workers newly lost.
+  std::vector<int64_t> Tick() ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Wakes every long poll with UNAVAILABLE and refuses new ones.
+  void Shutdown() ABSL_LOCKS_EXCLUDED(mu_);
+
+  void SetDraining(bool draining) ABSL_LOCKS_EXCLUDED(mu_);
+
+  hsdp::v1::JobState job_state() const ABSL_LOCKS_EXCLUDED(mu_);
+  // The latest generation's number.
+  int64_t generation() const ABSL_LOCKS_EXCLUDED(mu_);
+  // The latest generation.
+  hsdp::v1::Generation current_generation() const ABSL_LOCKS_EXCLUDED(mu_);
+  int64_t last_committed_step() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Live members of the current generation.
+  int workers_alive() const ABSL_LOCKS_EXCLUDED(mu_);
+  MembershipStatus Status() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Current members by rank, then the other workers by id.
+  std::vector<WorkerSnapshot> Workers() const ABSL_LOCKS_EXCLUDED(mu_);
   // The job's model, empty until the first join (or restored).
-  std::string model() const;
-  UnitList units() const;
-  bool has_model() const;
+  std::string model() const ABSL_LOCKS_EXCLUDED(mu_);
+  UnitList units() const ABSL_LOCKS_EXCLUDED(mu_);
+  bool has_model() const ABSL_LOCKS_EXCLUDED(mu_);
   // The training settings the first worker reported (unset until then).
-  std::optional<hsdp::v1::TrainingSpec> training() const;
+  std::optional<hsdp::v1::TrainingSpec> training() const ABSL_LOCKS_EXCLUDED(mu_);
 
   const std::string& job_id() const { return options_.job_id; }
   int world_size() const { return options_.world_size; }
@@ -164,36 +330,147 @@ class Membership {
   absl::Duration heartbeat_timeout() const {
     return options_.heartbeat_timeout;
   }
+  const Options& options() const { return options_; }
 
  private:
-  enum class SlotState { kFree, kAlive, kRestored, kLost, kFinished };
-  struct Slot {
-    SlotState state = SlotState::kFree;
+  enum class Liveness { kAlive, kLost, kEvicted, kFinished };
+  enum class Phase { kOpen, kActive, kEnding, kNone };
+
+  struct Worker {
+    int64_t id = 0;
     std::string hostname;
     std::string device;
+    Liveness liveness = Liveness::kAlive;
+    // Evicted while a member: leaves at the next step boundary.
+    bool evicted = false;
+    bool restored = false;
     absl::Time last_heartbeat;
     int64_t step = -1;
+    // The generation it was last a member of (-1: never), rank and role.
+    int64_t generation = -1;
+    int rank = -1;
+    hsdp::v1::GenerationRole role = hsdp::v1::GENERATION_ROLE_UNSPECIFIED;
+    // Shard index of the state it holds as of the last committed step.
+    int holder_shard = -1;
+    // A non-member that showed it is there to be placed (it joined, confirmed
+    // the last ending, or called AwaitGeneration since): only such workers
+    // are placed in a new generation or make it grow. A member that did not
+    // confirm is not ready until it calls again (it may be dead).
+    bool ready = false;
+    std::deque<hsdp::v1::WorkerEvent> history;
+  };
+
+  // The latest generation and what is going on with it.
+  struct Current {
+    hsdp::v1::Generation info;
+    Phase phase = Phase::kOpen;
+    // Steps committed in it.
+    int64_t committed = 0;
+    // Ending: why, since when, who confirmed.
+    hsdp::v1::FailureCause end_cause = hsdp::v1::FAILURE_CAUSE_UNSPECIFIED;
+    std::string end_detail;
+    bool ended_at_boundary = false;
+    absl::Time ended_at;
+    std::set<int64_t> confirmed;
+    // Votes on the step being committed (last committed + 1), by rank.
+    std::vector<bool> voted;
+    int votes = 0;
+    // A membership change waiting for a step boundary since then.
+    std::optional<absl::Time> grow_since;
+    std::optional<absl::Time> evict_since;
   };
 
   Membership(Options options, StateStore* store);
+
+  // --- membership.cc: workers, persistence, snapshots.
   absl::Status RestoreLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status CheckMemberLocked(int rank) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::StatusOr<int> PickRankLocked(const JoinArgs& args) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  std::vector<int> SweepLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status PersistLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  Worker* FindLocked(int64_t worker_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  const Worker* FindLocked(int64_t worker_id) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // `worker_id`, or the current member at `rank` when it is 0.
+  absl::StatusOr<Worker*> ResolveLocked(int64_t worker_id, int rank)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // `worker_id`, which must be known (NOT_FOUND) and not lost
+  // (FAILED_PRECONDITION).
+  absl::StatusOr<Worker*> FindLiveLocked(int64_t worker_id)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A worker's liveness as persisted (ALIVE for a live one) and back.
+  static hsdp::v1::WorkerState RecordState(Liveness liveness);
+  static Liveness FromRecordState(hsdp::v1::WorkerState state);
+  // FAILED_PRECONDITION for a lost worker.
+  absl::Status CheckNotLostLocked(const Worker& w) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool IsMemberLocked(int64_t worker_id) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  int RankOfLocked(int64_t worker_id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  hsdp::v1::WorkerState StateOfLocked(const Worker& w) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  hsdp::v1::JobState JobStateLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void AddEventLocked(Worker& w, hsdp::v1::WorkerEventKind kind,
+                      const std::string& detail)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<int> PickOpenRankLocked(const JoinArgs& args) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  int NonMembersAliveLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void PruneDepartedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::vector<int64_t> SweepLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  JoinResult JoinResultLocked(const Worker& w) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // --- membership_generation.cc: ending, forming, commits.
+  void EndLocked(hsdp::v1::FailureCause cause, const std::string& detail,
+                 int64_t worker_id, absl::Time failed_at, bool at_boundary)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Forms the next generation when the ending one may (confirmations or the
+  // window) or when the job waits for workers.
+  void MaybeFormLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FormLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  FormationInput FormationInputLocked(bool only_confirmed) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Sets grow_since when the live workers could form more replica groups
+  // than the active generation has.
+  void UpdateGrowLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // No live copy of a shard's state: fails the job. The place to restart from
+  // the latest checkpoint at the size the job has, once checkpoints load on
+  // any mesh.
+  void NoLiveCopyLocked(const GenerationPlan& plan)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status PersistCommitLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The generation context a member's schedule reads use.
+  GenerationContext ScheduleContextLocked() const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  int64_t StartOfLocked(int64_t generation) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The id of an evicted member waiting for the step boundary, or 0.
+  int64_t FirstEvictedMemberLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const Options options_;
   StateStore* const store_;
+  MembershipListener* listener_ = nullptr;
 
   mutable absl::Mutex mu_;
-  std::vector<Slot> slots_ ABSL_GUARDED_BY(mu_);
+  // Signalled on every change a long poll waits for.
+  absl::CondVar changed_;
+  std::map<int64_t, Worker> workers_ ABSL_GUARDED_BY(mu_);
+  int64_t next_worker_id_ ABSL_GUARDED_BY(mu_) = 1;
+  Current current_ ABSL_GUARDED_BY(mu_);
+  // Start step of recent generations (to tell whether a step committed in a
+  // given generation).
+  std::map<int64_t, int64_t> starts_ ABSL_GUARDED_BY(mu_);
+  int64_t last_committed_ ABSL_GUARDED_BY(mu_) = -1;
   std::string model_ ABSL_GUARDED_BY(mu_);
   UnitList units_ ABSL_GUARDED_BY(mu_);
   std::optional<hsdp::v1::TrainingSpec> training_ ABSL_GUARDED_BY(mu_);
-  int64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
   bool draining_ ABSL_GUARDED_BY(mu_) = false;
+  bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
+  std::string failed_message_ ABSL_GUARDED_BY(mu_);
+  // Why no generation is formed while phase is kNone (and not failed).
+  std::string waiting_message_ ABSL_GUARDED_BY(mu_);
+  int64_t failures_ ABSL_GUARDED_BY(mu_) = 0;
+  std::optional<hsdp::v1::FailureRecord> last_failure_ ABSL_GUARDED_BY(mu_);
+  // The failure whose next generation has not committed yet.
+  bool awaiting_recovery_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 }  // namespace hsdp::coordinator

@@ -32,6 +32,14 @@ prometheus::Gauge* WorkerGauge(prometheus::Family<prometheus::Gauge>& family,
   return &family.Add({{"state", state}});
 }
 
+// Failure cost buckets in seconds: a collective noticing a dead peer (ms)
+// up to heartbeat timeouts and long heals (minutes).
+const prometheus::Histogram::BucketBoundaries& FailureBuckets() {
+  static const auto* buckets = new prometheus::Histogram::BucketBoundaries{
+      0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300};
+  return *buckets;
+}
+
 }  // namespace
 
 Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
@@ -42,6 +50,37 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
   workers_alive_ = WorkerGauge(workers, "alive");
   workers_lost_ = WorkerGauge(workers, "lost");
   workers_finished_ = WorkerGauge(workers, "finished");
+  workers_standby_ = WorkerGauge(workers, "standby");
+  workers_joining_ = WorkerGauge(workers, "joining");
+  workers_evicted_ = WorkerGauge(workers, "evicted");
+  replicas_ = &prometheus::BuildGauge()
+                   .Name("hsdp_replicas")
+                   .Help("Replica groups of the current generation")
+                   .Register(*registry_)
+                   .Add({});
+  committed_step_ = &prometheus::BuildGauge()
+                         .Name("hsdp_committed_step")
+                         .Help("Last step every member committed (-1: none)")
+                         .Register(*registry_)
+                         .Add({});
+  committed_step_->Set(-1);
+  generation_ends_family_ =
+      &prometheus::BuildCounter()
+           .Name("hsdp_generation_ends_total")
+           .Help("Generations ended, by cause (UNSPECIFIED: the job grew)")
+           .Register(*registry_);
+  auto& failure = prometheus::BuildHistogram()
+                      .Name("hsdp_failure_seconds")
+                      .Help(
+                          "What a failure cost, by phase: detect (failure "
+                          "-> generation ended), reform (-> next formed), "
+                          "recover (-> its first committed step), lost "
+                          "(the sum)")
+                      .Register(*registry_);
+  failure_detect_ = &failure.Add({{"phase", "detect"}}, FailureBuckets());
+  failure_reform_ = &failure.Add({{"phase", "reform"}}, FailureBuckets());
+  failure_recover_ = &failure.Add({{"phase", "recover"}}, FailureBuckets());
+  failure_lost_ = &failure.Add({{"phase", "lost"}}, FailureBuckets());
   generation_ = &prometheus::BuildGauge()
                      .Name("hsdp_generation")
                      .Help("Membership generation")
@@ -106,6 +145,32 @@ void Metrics::SetWorkerCounts(int alive, int lost, int finished) {
   workers_alive_->Set(alive);
   workers_lost_->Set(lost);
   workers_finished_->Set(finished);
+}
+
+void Metrics::SetElasticWorkerCounts(int standby, int joining, int evicted) {
+  workers_standby_->Set(standby);
+  workers_joining_->Set(joining);
+  workers_evicted_->Set(evicted);
+}
+
+void Metrics::SetReplicas(int replicas) { replicas_->Set(replicas); }
+
+void Metrics::SetCommittedStep(int64_t step) {
+  committed_step_->Set(static_cast<double>(step));
+}
+
+void Metrics::RecordGenerationEnd(const std::string& cause) {
+  // Family::Add returns the existing counter for known labels; the family
+  // itself is thread-safe.
+  generation_ends_family_->Add({{"cause", cause}}).Increment();
+}
+
+void Metrics::ObserveFailureCost(double detect_seconds, double reform_seconds,
+                                 double recover_seconds) {
+  failure_detect_->Observe(detect_seconds);
+  failure_reform_->Observe(reform_seconds);
+  failure_recover_->Observe(recover_seconds);
+  failure_lost_->Observe(detect_seconds + reform_seconds + recover_seconds);
 }
 
 void Metrics::SetGeneration(int64_t generation) {

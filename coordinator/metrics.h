@@ -15,6 +15,7 @@
 namespace prometheus {
 class Exposer;
 class Registry;
+class Counter;
 class Gauge;
 class Histogram;
 template <typename T>
@@ -40,7 +41,20 @@ class Metrics {
   int port() const { return port_; }
 
   void SetWorkerCounts(int alive, int lost, int finished);
+  // Workers out of the current generation.
+  void SetElasticWorkerCounts(int standby, int joining, int evicted);
   void SetGeneration(int64_t generation);
+  // Replica groups of the current generation.
+  void SetReplicas(int replicas);
+  void SetCommittedStep(int64_t step);
+  // A generation ended; `cause` is the FailureCause name (UNSPECIFIED: it
+  // grew).
+  void RecordGenerationEnd(const std::string& cause);
+  // What one failure cost: detection (failure -> generation ended),
+  // re-forming (ended -> next formed), recovery (formed -> its first committed
+  // step: rendezvous, heal, the step); their sum is the time lost.
+  void ObserveFailureCost(double detect_seconds, double reform_seconds,
+                          double recover_seconds);
   void SetSealedStep(int64_t step);
   void SetPolicyVersion(int64_t version);
   void ObserveScheduleLatency(double seconds);
@@ -67,7 +81,17 @@ class Metrics {
   prometheus::Gauge* workers_alive_;
   prometheus::Gauge* workers_lost_;
   prometheus::Gauge* workers_finished_;
+  prometheus::Gauge* workers_standby_;
+  prometheus::Gauge* workers_joining_;
+  prometheus::Gauge* workers_evicted_;
   prometheus::Gauge* generation_;
+  prometheus::Gauge* replicas_;
+  prometheus::Gauge* committed_step_;
+  prometheus::Family<prometheus::Counter>* generation_ends_family_;
+  prometheus::Histogram* failure_detect_;
+  prometheus::Histogram* failure_reform_;
+  prometheus::Histogram* failure_recover_;
+  prometheus::Histogram* failure_lost_;
   prometheus::Gauge* sealed_step_;
   prometheus::Gauge* policy_version_;
   prometheus::Histogram* schedule_latency_;

@@ -102,7 +102,8 @@ StepSchedule Planner::Plan(const Policy& policy, const PlanInput& input) {
   schedule.set_policy_version(input.policy_version);
   schedule.set_generation(input.generation);
 
-  const int m = resolved.microbatches();
+  const int m =
+      input.microbatches > 0 ? input.microbatches : resolved.microbatches();
   const bool sync_every =
       resolved.grad_sync() == hsdp::v1::GRAD_SYNC_MODE_EVERY_MICROBATCH;
   const bool all_reduce_every =

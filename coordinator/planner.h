@@ -46,6 +46,9 @@ struct PlanInput {
   int64_t generation = 0;
   // RequestCheckpoint asked for a checkpoint after this step.
   bool checkpoint_requested = false;
+  // Microbatches per rank when > 0 (the schedule log's batch-mode arithmetic
+  // for the generation's world); 0: the policy's.
+  int microbatches = 0;
 };
 
 // Thread-compatible: the schedule log calls it under its own lock.

@@ -18,6 +18,7 @@ ScheduleLog::ScheduleLog(Options options, StateStore* store)
     : options_(options), store_(store) {
   completed_.assign(options_.world_size, -1);
   ranks_at_min_ = options_.world_size;
+  current_.world_size = options_.world_size;
 }
 
 std::shared_ptr<const SealedSchedule> ScheduleLog::FindSealed(
@@ -29,8 +30,22 @@ std::shared_ptr<const SealedSchedule> ScheduleLog::FindSealed(
 
 void ScheduleLog::AppendSealed(std::shared_ptr<const SealedSchedule> sealed) {
   absl::MutexLock lock(&sealed_mu_);
+  records_[{sealed->step, sealed->schedule.generation()}] = sealed;
+  next_first_microbatch_ = sealed->schedule.first_microbatch() +
+                           sealed->schedule.global_microbatches();
   sealed_.push_back(std::move(sealed));
   ++next_unsealed_;
+}
+
+void ScheduleLog::TruncateLocked(int64_t step) {
+  absl::MutexLock lock(&sealed_mu_);
+  if (step >= static_cast<int64_t>(sealed_.size())) return;
+  sealed_.resize(static_cast<size_t>(std::max<int64_t>(step, 0)));
+  next_unsealed_ = static_cast<int64_t>(sealed_.size());
+  next_first_microbatch_ =
+      sealed_.empty() ? 0
+                      : sealed_.back()->schedule.first_microbatch() +
+                            sealed_.back()->schedule.global_microbatches();
 }
 
 ScheduleLog::~ScheduleLog() = default;
@@ -79,21 +94,50 @@ absl::Status ScheduleLog::RestoreLocked(
     planner_ = std::make_unique<Planner>(UnitListFromProto(state.units()),
                                          options_.shard_size);
   }
-  for (auto& [step, bytes] : store_->SealedSteps()) {
-    if (step != next_unsealed_) {
-      return absl::DataLossError(
-          absl::StrCat("state directory ", store_->dir(), ": sealed step ",
-                       next_unsealed_, " is missing (found step ", step, ")"));
+  for (const auto& start : state.generation_starts()) {
+    generation_starts_.push_back(GenerationContext{
+        start.generation(), start.world_size(), start.start_step()});
+  }
+  if (!generation_starts_.empty()) current_ = generation_starts_.back();
+  // A step's record is the one of the latest generation that started at or
+  // before it (starts never decrease); records of earlier generations from
+  // there on were superseded.
+  auto owner = [&](int64_t step) -> int64_t {
+    int64_t generation = 0;
+    for (const GenerationContext& g : generation_starts_) {
+      if (g.start_step <= step) generation = g.generation;
     }
+    return generation;
+  };
+  std::map<int64_t, std::shared_ptr<SealedSchedule>> effective;
+  for (auto& [key, bytes] : store_->SealedSteps()) {
     auto sealed = std::make_shared<SealedSchedule>();
-    sealed->step = step;
+    sealed->step = key.first;
     sealed->bytes = bytes;
     if (!sealed->schedule.ParseFromString(bytes)) {
       return absl::DataLossError(
-          absl::StrCat("sealed step ", step, " does not parse"));
+          absl::StrCat("sealed step ", key.first, " does not parse"));
     }
+    {
+      absl::MutexLock lock(&sealed_mu_);
+      records_[key] = sealed;
+    }
+    // Files from before generations were tracked carry no start records:
+    // then the latest generation's record of a step wins.
+    const bool owns =
+        generation_starts_.empty() || key.second == owner(key.first);
+    auto& slot = effective[key.first];
+    if (owns && (slot == nullptr || slot->schedule.generation() < key.second)) {
+      slot = sealed;
+    }
+  }
+  for (auto& [step, sealed] : effective) {
+    if (sealed == nullptr) continue;
+    if (step != next_unsealed_) break;  // later records were superseded
     AppendSealed(std::move(sealed));
   }
+  completed_.assign(current_.world_size, -1);
+  ranks_at_min_ = current_.world_size;
   // Completed steps are not persisted. Sealing the last restored step needed
   // floor >= step - 1 - read_ahead, and the floor never decreases, so that much
   // is known.
@@ -116,7 +160,14 @@ absl::Status ScheduleLog::PersistLocked() {
         s->set_last_checkpoint_step(last_checkpoint_step_);
         s->clear_checkpoint_requests();
         for (int64_t step : checkpoint_requests_) {
-          if (step >= next_unsealed_) s->add_checkpoint_requests(step);
+          s->add_checkpoint_requests(step);
+        }
+        s->clear_generation_starts();
+        for (const GenerationContext& g : generation_starts_) {
+          auto* record = s->add_generation_starts();
+          record->set_generation(g.generation);
+          record->set_start_step(g.start_step);
+          record->set_world_size(g.world_size);
         }
       });
 }
@@ -158,49 +209,111 @@ const PolicyInfo& ScheduleLog::PolicyForStepLocked(int64_t step) const {
 }
 
 int64_t ScheduleLog::FloorLocked() const {
-  return std::max(min_completed_, restored_floor_);
+  return std::max({min_completed_, restored_floor_, committed_floor_});
 }
 
-absl::Status ScheduleLog::SealThroughLocked(int64_t step, int64_t generation) {
+absl::Status ScheduleLog::SealThroughLocked(int64_t step) {
   for (int64_t s = next_unsealed_; s <= step; ++s) {
     const PolicyInfo& policy = PolicyForStepLocked(s);
+    const hsdp::v1::Policy resolved = ResolvePolicyDefaults(policy.policy);
+    const bool shrink = resolved.batch_mode() == hsdp::v1::BATCH_MODE_SHRINK;
+    const int64_t per_rank = resolved.microbatches();
+    const int64_t world = current_.world_size;
+    // The global batch: fixed at the job's world, or the generation's.
+    const int64_t global = per_rank * (shrink ? world : options_.world_size);
     PlanInput input;
     input.step = s;
     input.policy_version = policy.version;
-    input.generation = generation;
+    input.generation = current_.generation;
     input.checkpoint_requested = checkpoint_requests_.count(s) > 0;
+    input.microbatches = static_cast<int>((global + world - 1) / world);
     auto sealed = std::make_shared<SealedSchedule>();
     sealed->step = s;
     sealed->schedule = planner_->Plan(policy.policy, input);
+    sealed->schedule.set_world_size(current_.world_size);
+    sealed->schedule.set_global_microbatches(global);
+    sealed->schedule.set_first_microbatch(next_first_microbatch_);
+    sealed->schedule.set_batch_mode(shrink ? hsdp::v1::BATCH_MODE_SHRINK
+                                           : hsdp::v1::BATCH_MODE_FIXED);
     sealed->bytes = sealed->schedule.SerializeAsString();
     if (store_ != nullptr) {
       // Persist before anyone can see the step: a restart must serve the same
       // bytes.
-      if (absl::Status st = store_->SaveSealedStep(s, sealed->bytes); !st.ok())
+      if (absl::Status st =
+              store_->SaveSealedStep(s, current_.generation, sealed->bytes);
+          !st.ok())
         return st;
     }
-    checkpoint_requests_.erase(s);
     AppendSealed(std::move(sealed));
   }
   window_cv_.SignalAll();
   return absl::OkStatus();
 }
 
-absl::StatusOr<ScheduleRead> ScheduleLog::GetSchedule(int64_t step,
-                                                      int64_t generation,
-                                                      absl::Time deadline) {
+absl::Status ScheduleLog::BeginGeneration(const GenerationContext& context) {
+  absl::MutexLock lock(&mu_);
+  return BeginGenerationLocked(context);
+}
+
+absl::Status ScheduleLog::BeginGenerationLocked(
+    const GenerationContext& context) {
+  if (context.generation <= current_.generation) return absl::OkStatus();
+  if (context.world_size < 1 || context.start_step < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("generation ", context.generation, ": world ",
+                     context.world_size, ", start step ", context.start_step));
+  }
+  current_ = context;
+  generation_starts_.push_back(context);
+  TruncateLocked(context.start_step);
+  completed_.assign(context.world_size, context.start_step - 1);
+  min_completed_ = context.start_step - 1;
+  ranks_at_min_ = context.world_size;
+  checkpoint_saves_.clear();
+  window_cv_.SignalAll();
+  // Best effort like the sealing itself: a generation that cannot be
+  // persisted still runs; a restart then re-seals from the previous start.
+  return PersistLocked();
+}
+
+void ScheduleLog::RecordCommitted(int64_t step) {
+  absl::MutexLock lock(&mu_);
+  if (step <= committed_floor_) return;
+  committed_floor_ = step;
+  checkpoint_requests_.erase(checkpoint_requests_.begin(),
+                             checkpoint_requests_.upper_bound(step));
+  window_cv_.SignalAll();
+}
+
+absl::StatusOr<ScheduleRead> ScheduleLog::GetSchedule(
+    int64_t step, const GenerationContext& context, absl::Time deadline) {
   if (step < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("step ", step, " is negative"));
   }
+  // A record serves this generation if it was sealed in it, or committed
+  // before it started.
+  auto serves = [&](const SealedSchedule& sealed) {
+    return sealed.schedule.generation() == context.generation ||
+           step < context.start_step;
+  };
   // Fast path: a sealed step needs only the sealed-steps lock.
   if (std::shared_ptr<const SealedSchedule> sealed = FindSealed(step)) {
-    return ScheduleRead{std::move(sealed), false};
+    if (serves(*sealed)) return ScheduleRead{std::move(sealed), false};
   }
   absl::MutexLock lock(&mu_);
+  if (context.generation > current_.generation) {
+    if (absl::Status s = BeginGenerationLocked(context); !s.ok()) return s;
+  }
   while (true) {
     if (shutdown_) {
       return absl::UnavailableError("coordinator is shutting down");
+    }
+    if (context.generation < current_.generation) {
+      return absl::AbortedError(
+          absl::StrCat("generation ", context.generation, " ended (generation ",
+                       current_.generation, " started at step ",
+                       current_.start_step, "): re-form"));
     }
     if (step < next_unsealed_) return ScheduleRead{FindSealed(step), false};
     if (drain_step_ >= 0 && step > drain_step_)
@@ -217,8 +330,7 @@ absl::StatusOr<ScheduleRead> ScheduleLog::GetSchedule(int64_t step,
           " steps past step ", floor + 1));
     }
     if (step <= floor + 1 + options_.read_ahead) {
-      if (absl::Status s = SealThroughLocked(step, generation); !s.ok())
-        return s;
+      if (absl::Status s = SealThroughLocked(step); !s.ok()) return s;
       return ScheduleRead{FindSealed(step), false};
     }
     // Inside the refusal limit but past the window: wait for the slowest rank
@@ -227,7 +339,8 @@ absl::StatusOr<ScheduleRead> ScheduleLog::GetSchedule(int64_t step,
     // changes (floor, seal, drain, shutdown), rather than a Mutex::Await
     // condition that every unlock would re-evaluate for every waiter.
     auto movable = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      return shutdown_ || step < next_unsealed_ ||
+      return shutdown_ || context.generation < current_.generation ||
+             step < next_unsealed_ ||
              (drain_step_ >= 0 && step > drain_step_) ||
              step <= FloorLocked() + 1 + options_.read_ahead;
     };
@@ -244,7 +357,14 @@ absl::StatusOr<ScheduleRead> ScheduleLog::GetSchedule(int64_t step,
 }
 
 absl::StatusOr<std::shared_ptr<const SealedSchedule>> ScheduleLog::GetSealed(
-    int64_t step) const {
+    int64_t step, std::optional<int64_t> generation) const {
+  if (generation.has_value()) {
+    absl::ReaderMutexLock lock(&sealed_mu_);
+    auto it = records_.find({step, *generation});
+    if (it != records_.end()) return it->second;
+    return absl::NotFoundError(absl::StrCat(
+        "step ", step, " was not sealed in generation ", *generation));
+  }
   if (std::shared_ptr<const SealedSchedule> sealed = FindSealed(step))
     return sealed;
   const int64_t last = sealed_step();
@@ -310,16 +430,16 @@ absl::StatusOr<int64_t> ScheduleLog::Drain() {
 }
 
 absl::Status ScheduleLog::RecordReport(const hsdp::v1::StepReport& report) {
-  if (report.rank() < 0 || report.rank() >= options_.world_size) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("report rank ", report.rank(),
-                     " is outside the world [0, ", options_.world_size, ")"));
-  }
   if (report.step() < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("report step ", report.step(), " is negative"));
   }
   absl::MutexLock lock(&mu_);
+  if (report.rank() < 0 || report.rank() >= current_.world_size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("report rank ", report.rank(),
+                     " is outside the world [0, ", current_.world_size, ")"));
+  }
   int64_t& completed = completed_[report.rank()];
   if (report.step() > completed) {
     const int64_t old = completed;
@@ -339,7 +459,7 @@ absl::Status ScheduleLog::RecordReport(const hsdp::v1::StepReport& report) {
   if (report.checkpoint_saved() && report.step() > last_checkpoint_step_) {
     auto& savers = checkpoint_saves_[report.step()];
     savers.insert(report.rank());
-    if (static_cast<int>(savers.size()) == options_.world_size) {
+    if (static_cast<int>(savers.size()) == current_.world_size) {
       const int64_t previous = last_checkpoint_step_;
       last_checkpoint_step_ = report.step();
       checkpoint_saves_.erase(checkpoint_saves_.begin(),
@@ -362,6 +482,11 @@ void ScheduleLog::Shutdown() {
 int64_t ScheduleLog::sealed_step() const {
   absl::ReaderMutexLock lock(&sealed_mu_);
   return static_cast<int64_t>(sealed_.size()) - 1;
+}
+
+int64_t ScheduleLog::generation() const {
+  absl::MutexLock lock(&mu_);
+  return current_.generation;
 }
 
 int64_t ScheduleLog::drain_step() const {

@@ -4,12 +4,27 @@
 //   before it are planned, persisted, and their serialized bytes stored. Steps
 //   are sealed in order, so the sealed steps are always [0, sealed_step()].
 //   Later reads return the same bytes.
+// - Generations: a record is sealed in one generation and never changes. When
+//   generation g+1 begins at its start step (the last committed step + 1),
+//   the steps from there on that g sealed are superseded — they never
+//   committed — and are sealed again, as new records, for g+1's world (its
+//   microbatch split, sample cursor and generation number); reads of g+1 see
+//   only those. The steps before the start step keep their records: they
+//   committed. So every rank of a generation still reads byte-identical
+//   schedules, and a superseded record stays readable (GetSealed with its
+//   generation) and persisted as it was.
+// - Global batch (policy batch_mode, with M the policy's microbatches, W0 the
+//   job's world and W the generation's): FIXED plans U = W0 * M microbatches
+//   per step, ceil(U / W) per rank (the slots past U are zero-weight
+//   padding); SHRINK plans U = W * M, M per rank. first_microbatch counts the
+//   microbatches of every earlier step, so sample ids never repeat or skip.
 // - Policy: SetPolicy validates and applies from the first unsealed step; the
 //   answer names that step and the new version. The history maps each step to
 //   exactly one policy version, so no step mixes policies and a change lands
 //   exactly on the announced step.
-// - Read-ahead window: floor = min over ranks of the highest completed step
-//   (from RecordReport; -1 before any report). Sealing step s is allowed when
+// - Read-ahead window: floor = the last committed step, or min over the
+//   generation's ranks of the highest completed step (from RecordReport; -1
+//   before any report), whichever is higher. Sealing step s is allowed when
 //   s <= floor + 1 + read_ahead. Beyond floor + 1 + refuse_ahead a read is
 //   refused with OUT_OF_RANGE; in between the caller blocks until the window
 //   moves or its deadline passes (DEADLINE_EXCEEDED). Sealed steps are always
@@ -29,6 +44,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -63,6 +79,15 @@ struct ScheduleRead {
   bool drained = false;
 };
 
+// The generation a read belongs to: what sealing a step needs of it.
+struct GenerationContext {
+  int64_t generation = 0;
+  // Ranks of the generation (replicas x shard).
+  int world_size = 1;
+  // Its first step (the last committed step + 1).
+  int64_t start_step = 0;
+};
+
 struct PolicyInfo {
   hsdp::v1::Policy policy;
   int64_t version = 0;
@@ -71,10 +96,14 @@ struct PolicyInfo {
 };
 
 // Thread-safe. Planning, sealing and persisting happen under one mutex; reads
-// of already sealed steps take only a separate reader lock.
+// of already sealed steps take only a separate reader lock. Lock order:
+// callers may hold Membership's lock (BeginGeneration, RecordCommitted); the
+// log never calls out except to the StateStore.
 class ScheduleLog {
  public:
   struct Options {
+    // The job's world size (W0: the fixed global batch's reference), and the
+    // first generation's.
     int world_size = 1;
     // The mesh's S, for the memory model.
     int shard_size = 1;
@@ -106,18 +135,32 @@ class ScheduleLog {
   absl::Status SetUnits(const UnitList& units);
   bool has_units() const;
 
-  // Worker read of `step` (seals it on first read, stamping `generation`).
-  // Blocks while the step is beyond the read-ahead window, until `deadline`.
-  // Errors: INVALID_ARGUMENT (negative step), FAILED_PRECONDITION (unit list
+  // Worker read of `step` in generation `context` (seals it on first read).
+  // A newer generation than the log's begins here (BeginGeneration). Blocks
+  // while the step is beyond the read-ahead window, until `deadline`.
+  // Errors: ABORTED (an older generation than the log's: it ended),
+  // INVALID_ARGUMENT (negative step), FAILED_PRECONDITION (unit list
   // unknown), OUT_OF_RANGE (too far ahead), DEADLINE_EXCEEDED, UNAVAILABLE
   // (Shutdown), or the store's error if persisting failed (the step then stays
   // unsealed).
-  absl::StatusOr<ScheduleRead> GetSchedule(int64_t step, int64_t generation,
+  absl::StatusOr<ScheduleRead> GetSchedule(int64_t step,
+                                           const GenerationContext& context,
                                            absl::Time deadline);
 
-  // Control read: an already sealed step, never seals. NOT_FOUND if not sealed.
+  // Starts `context.generation` (no-op unless it is newer than the log's):
+  // supersedes the sealed steps from its start step on, resets the window to
+  // its world. Persists the generation's start. Wakes blocked readers (those
+  // of the ended generation then fail with ABORTED).
+  absl::Status BeginGeneration(const GenerationContext& context);
+
+  // `step` committed: the window's floor is at least `step`, and checkpoint
+  // requests up to it are settled.
+  void RecordCommitted(int64_t step);
+
+  // Control read: the step's current record (generation unset) or the one
+  // sealed in `generation`, never seals. NOT_FOUND if there is none.
   absl::StatusOr<std::shared_ptr<const SealedSchedule>> GetSealed(
-      int64_t step) const;
+      int64_t step, std::optional<int64_t> generation = std::nullopt) const;
 
   // Validates `policy` (against the units when known) and applies it from the
   // first unsealed step. INVALID_ARGUMENT leaves everything unchanged.
@@ -128,7 +171,8 @@ class ScheduleLog {
   std::vector<PolicyInfo> PolicyHistory() const;
 
   // Requests a checkpoint after the first unsealed step and returns that step
-  // (FAILED_PRECONDITION if that step is past the drain step).
+  // (FAILED_PRECONDITION if that step is past the drain step). The request
+  // holds until the step commits, so a re-sealed step keeps it.
   absl::StatusOr<int64_t> RequestCheckpoint();
 
   // Stops sealing after the first unsealed step and returns it (the last step
@@ -148,6 +192,8 @@ class ScheduleLog {
 
   // Highest sealed step, or -1.
   int64_t sealed_step() const;
+  // The generation the log seals for now.
+  int64_t generation() const;
   // Drain step, or -1.
   int64_t drain_step() const;
   // Latest step every rank reported a saved checkpoint for, or -1.
@@ -169,8 +215,12 @@ class ScheduleLog {
       ABSL_LOCKS_EXCLUDED(sealed_mu_);
   void AppendSealed(std::shared_ptr<const SealedSchedule> sealed)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status SealThroughLocked(int64_t step, int64_t generation)
+  absl::Status SealThroughLocked(int64_t step)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status BeginGenerationLocked(const GenerationContext& context)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Drops the effective records from `step` on (they stay in records_).
+  void TruncateLocked(int64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status RestoreLocked(const hsdp::v1::Policy& initial_policy)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status PersistLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -187,8 +237,19 @@ class ScheduleLog {
   // take sealed_mu_ and are never stalled behind a seal's fsync.
   int64_t next_unsealed_ ABSL_GUARDED_BY(mu_) = 0;
   mutable absl::Mutex sealed_mu_ ABSL_ACQUIRED_AFTER(mu_);
+  // The effective record of each sealed step.
   std::vector<std::shared_ptr<const SealedSchedule>> sealed_
       ABSL_GUARDED_BY(sealed_mu_);
+  // Every record ever sealed, superseded ones included, by (step, generation).
+  std::map<std::pair<int64_t, int64_t>, std::shared_ptr<const SealedSchedule>>
+      records_ ABSL_GUARDED_BY(sealed_mu_);
+  // The generation sealed for now: its number, world and start step, and the
+  // first microbatch of the next unsealed step.
+  GenerationContext current_ ABSL_GUARDED_BY(mu_);
+  int64_t next_first_microbatch_ ABSL_GUARDED_BY(mu_) = 0;
+  // Every generation begun after the first, in order (persisted).
+  std::vector<GenerationContext> generation_starts_ ABSL_GUARDED_BY(mu_);
+  int64_t committed_floor_ ABSL_GUARDED_BY(mu_) = -1;
   // Highest completed step per rank, with its minimum and how many ranks sit at
   // it, kept incrementally so a report costs O(1) amortized even with 1000+
   // ranks.

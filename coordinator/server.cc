@@ -75,6 +75,9 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   membership_options.world_size = job.world_size;
   membership_options.mesh = job.mesh;
   membership_options.heartbeat_timeout = job.heartbeat_timeout;
+  membership_options.min_replicas = job.min_replicas;
+  membership_options.join_wait = job.join_wait;
+  membership_options.reform_window = job.reform_window;
   HSDP_ASSIGN_OR_RETURN(s->membership_,
                         Membership::Create(membership_options, store));
   ScheduleLog::Options log_options;
@@ -88,6 +91,9 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
     if (!units.ok())
       std::cerr << "hsdp-coordinator: restored model: " << units << "\n";
   }
+  // The read-ahead window starts at the last committed step (persisted by
+  // Membership; the log does not keep it).
+  s->schedule_log_->RecordCommitted(s->membership_->last_committed_step());
   s->kv_store_ = std::make_unique<KvStore>();
   HSDP_ASSIGN_OR_RETURN(s->metrics_, Metrics::Create(options.metrics_listen));
   s->reports_ = std::make_unique<ReportBook>();
@@ -100,10 +106,15 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   core.metrics = s->metrics_.get();
   core.reports = s->reports_.get();
   core.calls = s->calls_.get();
+  s->events_ = std::make_unique<CoreEvents>(core);
+  s->membership_->SetListener(s->events_.get());
   s->coordinator_service_ = std::make_unique<CoordinatorServiceImpl>(core);
   s->control_service_ =
       std::make_unique<ControlServiceImpl>(core, options.control_token);
   RefreshMembershipMetrics(core);
+  s->metrics_->SetReplicas(
+      s->membership_->current_generation().mesh().replicate());
+  s->metrics_->SetCommittedStep(s->membership_->last_committed_step());
   s->metrics_->SetPolicyVersion(s->schedule_log_->CurrentPolicy().version);
 
   // Both are process-wide switches read by the next ServerBuilder.
@@ -157,7 +168,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
 
 void CoordinatorServer::SweepLoop(absl::Duration period) {
   while (!stop_sweeping_.WaitForNotificationWithTimeout(period)) {
-    coordinator_service_->SweepHeartbeats();
+    coordinator_service_->Tick();
   }
 }
 
@@ -174,6 +185,7 @@ void CoordinatorServer::StopServing() {
   // the deadline.
   schedule_log_->Shutdown();
   kv_store_->Shutdown();
+  membership_->Shutdown();
 }
 
 void CoordinatorServer::Shutdown() {

@@ -26,6 +26,7 @@ namespace hsdp::coordinator {
 class CallTracker;
 class ControlServiceImpl;
 class CoordinatorServiceImpl;
+class CoreEvents;
 class KvStore;
 class Membership;
 class Metrics;
@@ -46,6 +47,13 @@ struct JobConfig {
   std::string state_dir;
   absl::Duration heartbeat_timeout = absl::Seconds(10);
   int read_ahead = kDefaultReadAhead;
+  // Elastic settings (see coordinator/membership.h): the fewest replica
+  // groups a generation may have, how long a joiner or an eviction waits for
+  // a step boundary, how long an ending generation waits for its members to
+  // confirm.
+  int min_replicas = 1;
+  absl::Duration join_wait = absl::Seconds(60);
+  absl::Duration reform_window = absl::Seconds(5);
 };
 
 // How it is served.
@@ -117,6 +125,7 @@ class CoordinatorServer {
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<ReportBook> reports_;
   std::unique_ptr<CallTracker> calls_;
+  std::unique_ptr<CoreEvents> events_;
   std::unique_ptr<CoordinatorServiceImpl> coordinator_service_;
   std::unique_ptr<ControlServiceImpl> control_service_;
   std::unique_ptr<grpc::Server> server_;

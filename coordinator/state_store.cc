@@ -13,6 +13,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/strip.h"
 #include "google/protobuf/io/coded_stream.h"
 #include "google/protobuf/io/zero_copy_stream_impl_lite.h"
 #include "hsdp/v1/schedule.pb.h"
@@ -23,6 +24,8 @@ namespace {
 namespace fs = std::filesystem;
 
 constexpr char kStateFile[] = "state.binpb";
+constexpr char kCommitFile[] = "commit.binpb";
+constexpr char kGenerationMark[] = "-g";
 constexpr char kStepsDir[] = "steps";
 constexpr char kStepSuffix[] = ".binpb";
 constexpr char kTempSuffix[] = ".tmp";
@@ -62,8 +65,28 @@ std::string SerializeDeterministic(const google::protobuf::Message& message) {
   return out;
 }
 
-std::string StepFileName(int64_t step) {
-  return absl::StrFormat("%012d%s", step, kStepSuffix);
+std::string StepFileName(int64_t step, int64_t generation) {
+  if (generation == 0) return absl::StrFormat("%012d%s", step, kStepSuffix);
+  return absl::StrFormat("%012d%s%d%s", step, kGenerationMark, generation,
+                         kStepSuffix);
+}
+
+// Parses "<step>.binpb" or "<step>-g<generation>.binpb"; false if not ours.
+// `generation` is -1 when the name carries none.
+bool ParseStepFileName(absl::string_view name, int64_t* step,
+                       int64_t* generation) {
+  if (!absl::ConsumeSuffix(&name, kStepSuffix)) return false;
+  *generation = -1;
+  const size_t mark = name.find(kGenerationMark);
+  if (mark != absl::string_view::npos) {
+    if (!absl::SimpleAtoi(name.substr(mark + strlen(kGenerationMark)),
+                          generation) ||
+        *generation < 0) {
+      return false;
+    }
+    name = name.substr(0, mark);
+  }
+  return absl::SimpleAtoi(name, step) && *step >= 0;
 }
 
 // Removes leftovers of writes interrupted by a crash.
@@ -160,21 +183,30 @@ absl::Status StateStore::Load() {
   }
   for (const auto& entry : fs::directory_iterator(root / kStepsDir, ec)) {
     const std::string name = entry.path().filename().string();
-    int64_t step = -1;
-    if (!absl::EndsWith(name, kStepSuffix) ||
-        !absl::SimpleAtoi(name.substr(0, name.size() - strlen(kStepSuffix)),
-                          &step) ||
-        step < 0) {
-      continue;  // not ours
-    }
+    int64_t step = -1, generation = -1;
+    if (!ParseStepFileName(name, &step, &generation)) continue;  // not ours
     absl::StatusOr<std::string> bytes = ReadWholeFile(entry.path().string());
     if (!bytes.ok()) return bytes.status();
     hsdp::v1::StepSchedule schedule;
-    if (!schedule.ParseFromString(*bytes) || schedule.step() != step) {
+    // A name without a generation is generation 0 — or, from before
+    // generations were in names, whatever generation the step was sealed in.
+    if (!schedule.ParseFromString(*bytes) || schedule.step() != step ||
+        (generation >= 0 && schedule.generation() != generation)) {
       return absl::DataLossError(
           absl::StrCat("corrupt sealed step file ", entry.path().string()));
     }
-    sealed_.emplace(step, std::move(*bytes));
+    sealed_.emplace(SealedKey(step, schedule.generation()), std::move(*bytes));
+  }
+  const fs::path commit_path = root / kCommitFile;
+  if (fs::exists(commit_path, ec)) {
+    absl::StatusOr<std::string> bytes = ReadWholeFile(commit_path.string());
+    if (!bytes.ok()) return bytes.status();
+    state::CommitPoint point;
+    if (!point.ParseFromString(*bytes)) {
+      return absl::DataLossError(
+          absl::StrCat("corrupt commit file ", commit_path.string()));
+    }
+    commit_point_ = point;
   }
   if (ec) {
     return absl::InternalError(
@@ -203,25 +235,41 @@ absl::Status StateStore::Update(
   return status;
 }
 
-absl::Status StateStore::SaveSealedStep(int64_t step,
+absl::Status StateStore::SaveSealedStep(int64_t step, int64_t generation,
                                         const std::string& bytes) {
   absl::MutexLock lock(&mu_);
-  auto it = sealed_.find(step);
+  const SealedKey key(step, generation);
+  auto it = sealed_.find(key);
   if (it != sealed_.end()) {
     if (it->second == bytes) return absl::OkStatus();
-    return absl::FailedPreconditionError(absl::StrCat(
-        "step ", step, " is already sealed with different contents"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("step ", step, " is already sealed in generation ",
+                     generation, " with different contents"));
   }
   absl::Status status = WriteFileAtomically(
-      (fs::path(dir_) / kStepsDir / StepFileName(step)).string(), bytes,
-      options_.sync);
-  if (status.ok()) sealed_.emplace(step, bytes);
+      (fs::path(dir_) / kStepsDir / StepFileName(step, generation)).string(),
+      bytes, options_.sync);
+  if (status.ok()) sealed_.emplace(key, bytes);
   return status;
 }
 
-std::map<int64_t, std::string> StateStore::SealedSteps() const {
+std::map<StateStore::SealedKey, std::string> StateStore::SealedSteps() const {
   absl::MutexLock lock(&mu_);
   return sealed_;
+}
+
+absl::Status StateStore::SaveCommitPoint(const state::CommitPoint& point) {
+  absl::MutexLock lock(&mu_);
+  absl::Status status =
+      WriteFileAtomically((fs::path(dir_) / kCommitFile).string(),
+                          SerializeDeterministic(point), options_.sync);
+  if (status.ok()) commit_point_ = point;
+  return status;
+}
+
+std::optional<state::CommitPoint> StateStore::commit_point() const {
+  absl::MutexLock lock(&mu_);
+  return commit_point_;
 }
 
 }  // namespace hsdp::coordinator

@@ -1,8 +1,12 @@
 // Crash-safe persistence of the coordinator's state in a directory:
 // - <dir>/state.binpb: PersistedState (job, policies, generation, model,
 //   members, drain step, checkpoint records), rewritten atomically;
-// - <dir>/steps/<step>.binpb: one serialized StepSchedule per sealed step,
-//   written once.
+// - <dir>/steps/<step>.binpb (generation 0) or <step>-g<generation>.binpb:
+//   one serialized StepSchedule per step and generation that sealed it,
+//   written once (a step sealed again in a later generation gets a new file;
+//   the old one stays);
+// - <dir>/commit.binpb: the last committed step (CommitPoint), rewritten once
+//   per committed step — small, so the per-step fsync stays cheap.
 // Every write goes to "<file>.tmp", is fsync'ed, renamed over the target, and
 // the directory is fsync'ed, so a crash leaves either the old or the new file.
 // Leftover *.tmp files (a crash mid-write) are ignored and removed on Open.
@@ -15,7 +19,9 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
+#include <utility>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
@@ -60,12 +66,21 @@ class StateStore {
   // rolled back and the error returned.
   absl::Status Update(const std::function<void(PersistedState*)>& mutate);
 
-  // Writes the sealed bytes of `step` (once; rewriting a sealed step with
-  // different bytes is FAILED_PRECONDITION — sealed steps are immutable).
-  absl::Status SaveSealedStep(int64_t step, const std::string& bytes);
+  // Writes the sealed bytes of `step` in `generation` (once; rewriting it
+  // with different bytes is FAILED_PRECONDITION — sealed steps are
+  // immutable). The bytes must be a StepSchedule of that step and generation.
+  absl::Status SaveSealedStep(int64_t step, int64_t generation,
+                              const std::string& bytes);
 
-  // The sealed steps loaded at Open plus those saved since, by step.
-  std::map<int64_t, std::string> SealedSteps() const;
+  // (step, generation) of a sealed record.
+  using SealedKey = std::pair<int64_t, int64_t>;
+  // The sealed records loaded at Open plus those saved since.
+  std::map<SealedKey, std::string> SealedSteps() const;
+
+  // Rewrites commit.binpb atomically (fsync'ed when sync is on).
+  absl::Status SaveCommitPoint(const state::CommitPoint& point);
+  // The commit point loaded at Open or saved since; unset if none.
+  std::optional<state::CommitPoint> commit_point() const;
 
   const std::string& dir() const { return dir_; }
 
@@ -77,7 +92,8 @@ class StateStore {
   const Options options_;
   mutable absl::Mutex mu_;
   PersistedState state_ ABSL_GUARDED_BY(mu_);
-  std::map<int64_t, std::string> sealed_ ABSL_GUARDED_BY(mu_);
+  std::map<SealedKey, std::string> sealed_ ABSL_GUARDED_BY(mu_);
+  std::optional<state::CommitPoint> commit_point_ ABSL_GUARDED_BY(mu_);
 };
 
 // Writes `contents` to `path` atomically (temp file + fsync + rename + fsync of

@@ -55,6 +55,13 @@ struct PolicySetOptions {
   std::string all_reduce;
   std::optional<int> checkpoint_interval;
   std::optional<int64_t> memory_budget;
+  std::string batch_mode;
+};
+
+// Options of `evict`: exactly one target.
+struct EvictOptions {
+  std::optional<int> rank;
+  std::optional<int64_t> worker_id;
 };
 
 absl::StatusOr<std::string> ReadFile(const std::string& path) {
@@ -240,6 +247,39 @@ void AddTrainingRows(const hsdp::v1::TrainingSpec& spec, Table& t) {
                                : "-"});
 }
 
+// "REPORTED by worker 7 in generation 2: <detail>; detected 0.003s,
+// re-formed 2.1s, recovered 1.4s".
+std::string DescribeFailure(const hsdp::v1::GetStatusResponse& r) {
+  const hsdp::v1::FailureRecord& f = r.last_failure();
+  auto seconds = [](int64_t from_ms, int64_t to_ms) {
+    return to_ms > 0
+               ? FormatDouble(static_cast<double>(to_ms - from_ms) / 1e3, 3) +
+                     "s"
+               : std::string("-");
+  };
+  return absl::StrCat(
+      ShortEnum(hsdp::v1::FailureCause_Name(f.cause()), "FAILURE_CAUSE_"),
+      " by worker ", f.worker_id(), " in generation ", f.generation(), ": ",
+      f.detail(), "; detected ", seconds(f.failed_unix_ms(), f.ended_unix_ms()),
+      ", re-formed ", seconds(f.ended_unix_ms(), f.formed_unix_ms()),
+      ", recovered ", seconds(f.formed_unix_ms(), f.recovered_unix_ms()));
+}
+
+// A worker's history in one cell: "joined@g0 member@g0:r3 lost@g1".
+std::string DescribeHistory(const hsdp::v1::WorkerInfo& w) {
+  std::vector<std::string> events;
+  for (const auto& e : w.history()) {
+    std::string event = absl::AsciiStrToLower(ShortEnum(
+        hsdp::v1::WorkerEventKind_Name(e.kind()), "WORKER_EVENT_KIND_"));
+    absl::StrAppend(&event, "@g", e.generation());
+    if (e.kind() == hsdp::v1::WORKER_EVENT_KIND_MEMBER) {
+      absl::StrAppend(&event, ":r", e.rank());
+    }
+    events.push_back(std::move(event));
+  }
+  return events.empty() ? "-" : absl::StrJoin(events, " ");
+}
+
 absl::Status Status(ControlClient& client, const GlobalOptions& g,
                     std::ostream& out) {
   return CallAndPrint(
@@ -249,18 +289,27 @@ absl::Status Status(ControlClient& client, const GlobalOptions& g,
         t.Add({"job", r.job_id()});
         t.Add({"state",
                ShortEnum(hsdp::v1::JobState_Name(r.state()), "JOB_STATE_")});
+        if (!r.message().empty()) t.Add({"why", r.message()});
         t.Add({"world",
                absl::StrCat(r.world_size(), " (mesh ", r.mesh().replicate(),
                             "x", r.mesh().shard(), ")")});
+        t.Add({"replica groups",
+               absl::StrCat(r.replicas(), " of ", r.mesh().replicate(),
+                            " (min ", r.min_replicas(), ")")});
         t.Add({"workers alive",
-               absl::StrCat(r.workers_alive(), "/", r.world_size())});
+               absl::StrCat(r.workers_alive(), "/", r.world_size(), ", ",
+                            r.workers_standby(), " standby, ",
+                            r.workers_joining(), " joining")});
         t.Add({"generation", std::to_string(r.generation())});
+        t.Add({"committed step", StepOrNone(r.last_committed_step())});
         t.Add({"sealed step", StepOrNone(r.sealed_step())});
         t.Add({"policy version", std::to_string(r.policy_version())});
         t.Add({"last checkpoint", StepOrNone(r.last_checkpoint_step())});
         t.Add({"drain step", StepOrNone(r.drain_step())});
         t.Add({"model", r.model().empty() ? "-" : r.model()});
         t.Add({"units", std::to_string(r.unit_count())});
+        t.Add({"failures", std::to_string(r.failures())});
+        if (r.has_last_failure()) t.Add({"last failure", DescribeFailure(r)});
         if (r.has_training()) AddTrainingRows(r.training(), t);
         t.Print(out);
       });
@@ -272,23 +321,33 @@ absl::Status Workers(ControlClient& client, const GlobalOptions& g,
       client, g, &ControlService::Stub::ListWorkers,
       hsdp::v1::ListWorkersRequest(), out,
       [&](const hsdp::v1::ListWorkersResponse& r) {
-        Table t({"RANK", "STATE", "HOST", "DEVICE", "REPLICA", "SHARD",
-                 "HEARTBEAT", "STEP", "LOSS", "STEP_S", "PEAK_MEM"});
+        auto number = [](int64_t v) {
+          return v < 0 ? std::string("-") : std::to_string(v);
+        };
+        Table t({"WORKER", "RANK", "STATE", "GEN", "ROLE", "HOST", "DEVICE",
+                 "REPLICA", "SHARD", "HEARTBEAT", "STEP", "LOSS", "STEP_S",
+                 "PEAK_MEM", "HISTORY"});
         for (const auto& w : r.workers()) {
           const bool reported = w.has_last_report();
           const auto& rep = w.last_report();
-          t.Add({std::to_string(w.rank()),
+          t.Add({std::to_string(w.worker_id()), number(w.rank()),
                  ShortEnum(hsdp::v1::WorkerState_Name(w.state()),
                            "WORKER_STATE_"),
+                 number(w.generation()),
+                 w.role() == hsdp::v1::GENERATION_ROLE_UNSPECIFIED
+                     ? "-"
+                     : absl::AsciiStrToLower(
+                           ShortEnum(hsdp::v1::GenerationRole_Name(w.role()),
+                                     "GENERATION_ROLE_")),
                  w.hostname().empty() ? "-" : w.hostname(),
                  w.device().empty() ? "-" : w.device(),
-                 std::to_string(w.replicate_index()),
-                 std::to_string(w.shard_index()),
+                 number(w.replicate_index()), number(w.shard_index()),
                  absl::StrCat(w.heartbeat_age_ms(), "ms"),
                  reported ? std::to_string(rep.step()) : "-",
                  reported ? FormatDouble(rep.loss(), 4) : "-",
                  reported ? FormatDouble(rep.step_seconds(), 3) : "-",
-                 reported ? FormatBytes(rep.peak_memory_bytes()) : "-"});
+                 reported ? FormatBytes(rep.peak_memory_bytes()) : "-",
+                 DescribeHistory(w)});
         }
         t.Print(out);
       });
@@ -349,6 +408,12 @@ absl::Status ApplyPolicyFlags(const PolicySetOptions& o,
                                ? hsdp::v1::ALL_REDUCE_MODE_EVERY_MICROBATCH
                                : hsdp::v1::ALL_REDUCE_MODE_LAST_MICROBATCH);
   }
+  // CLI11 already restricted it to "fixed" or "shrink".
+  if (!o.batch_mode.empty()) {
+    policy->set_batch_mode(o.batch_mode == "shrink"
+                               ? hsdp::v1::BATCH_MODE_SHRINK
+                               : hsdp::v1::BATCH_MODE_FIXED);
+  }
   return absl::OkStatus();
 }
 
@@ -381,16 +446,23 @@ std::string JoinInts(const google::protobuf::RepeatedField<int32_t>& values) {
 }
 
 absl::Status Schedule(ControlClient& client, const GlobalOptions& g,
-                      int64_t step, std::ostream& out) {
+                      int64_t step, std::optional<int64_t> generation,
+                      std::ostream& out) {
   hsdp::v1::ControlServiceGetScheduleRequest request;
   request.set_step(step);
+  if (generation.has_value()) request.set_generation(*generation);
   return CallAndPrint(
       client, g, &ControlService::Stub::GetSchedule, request, out,
       [&](const hsdp::v1::ControlServiceGetScheduleResponse& r) {
         const auto& sched = r.schedule();
         out << "step " << sched.step() << "  policy version "
             << sched.policy_version() << "  generation " << sched.generation()
-            << "  checkpoint " << (sched.checkpoint() ? "yes" : "no") << "\n";
+            << "  checkpoint " << (sched.checkpoint() ? "yes" : "no") << "\n"
+            << "world " << sched.world_size() << "  batch "
+            << absl::AsciiStrToLower(ShortEnum(
+                   hsdp::v1::BatchMode_Name(sched.batch_mode()), "BATCH_MODE_"))
+            << "  microbatches " << sched.global_microbatches() << " from #"
+            << sched.first_microbatch() << "\n";
         Table mb({"MICROBATCH", "GRAD_SYNC", "ALL_REDUCE", "LAST_BACKWARD"});
         for (int i = 0; i < sched.microbatches_size(); ++i) {
           const auto& m = sched.microbatches(i);
@@ -420,6 +492,26 @@ absl::Status Checkpoint(ControlClient& client, const GlobalOptions& g,
                       [&](const hsdp::v1::RequestCheckpointResponse& r) {
                         out << "checkpoint scheduled after step " << r.step()
                             << "\n";
+                      });
+}
+
+absl::Status Evict(ControlClient& client, const GlobalOptions& g,
+                   const EvictOptions& o, std::ostream& out) {
+  hsdp::v1::EvictWorkerRequest request;
+  if (o.rank.has_value() == o.worker_id.has_value()) {
+    return absl::InvalidArgumentError("give a RANK or --worker-id, not both");
+  }
+  if (o.rank.has_value()) request.set_rank(*o.rank);
+  if (o.worker_id.has_value()) request.set_worker_id(*o.worker_id);
+  return CallAndPrint(client, g, &ControlService::Stub::EvictWorker, request,
+                      out, [&](const hsdp::v1::EvictWorkerResponse& r) {
+                        if (r.generation() >= 0) {
+                          out << "worker " << r.worker_id()
+                              << " evicted: generation " << r.generation()
+                              << " ends at the next step boundary without it\n";
+                        } else {
+                          out << "worker " << r.worker_id() << " evicted\n";
+                        }
                       });
 }
 
@@ -491,14 +583,27 @@ int RunHsdpctl(int argc, char** argv, std::ostream& out, std::ostream& err) {
                          "Steps (0: never)");
   policy_set->add_option("--memory-budget", ps.memory_budget,
                          "Bytes per rank (0: manual mode)");
+  policy_set->add_option("--batch-mode", ps.batch_mode, "fixed|shrink")
+      ->check(CLI::IsMember({"fixed", "shrink"}));
   CLI::App* schedule =
       app.add_subcommand("schedule", "Print a sealed step's schedule");
   int64_t step = -1;
+  std::optional<int64_t> schedule_generation;
   schedule->add_option("--step", step, "Step")->required();
+  schedule->add_option("--generation", schedule_generation,
+                       "The record sealed in this generation (default: the "
+                       "step's current one)");
   CLI::App* checkpoint =
       app.add_subcommand("checkpoint", "Checkpoint at the next unsealed step");
   CLI::App* drain =
       app.add_subcommand("drain", "Stop the job after the next unsealed step");
+  CLI::App* evict = app.add_subcommand(
+      "evict",
+      "Take a worker out (at the next step boundary), as when draining a node");
+  EvictOptions eo;
+  evict->add_option("rank", eo.rank, "Rank in the current generation");
+  evict->add_option("--worker-id", eo.worker_id,
+                    "Worker id (also for standby or joining workers)");
 
   try {
     app.parse(argc, argv);
@@ -530,11 +635,13 @@ int RunHsdpctl(int argc, char** argv, std::ostream& out, std::ostream& err) {
   } else if (policy_set->parsed()) {
     result = PolicySet(*client, g, ps, out);
   } else if (schedule->parsed()) {
-    result = Schedule(*client, g, step, out);
+    result = Schedule(*client, g, step, schedule_generation, out);
   } else if (checkpoint->parsed()) {
     result = Checkpoint(*client, g, out);
   } else if (drain->parsed()) {
     result = Drain(*client, g, out);
+  } else if (evict->parsed()) {
+    result = Evict(*client, g, eo, out);
   }
   if (!result.ok()) {
     err << "hsdpctl: " << command << ": "

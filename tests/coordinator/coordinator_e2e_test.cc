@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 
+#include <atomic>
 #include <chrono>
 #include <fstream>
 #include <map>
@@ -33,13 +34,16 @@ struct Clients {
         worker(CoordinatorService::NewStub(channel)),
         control(ControlService::NewStub(channel)) {}
 
-  hsdp::v1::JoinResponse Join(int rank) {
+  // Joins with a rank hint (0 for none); `worker_id` set: re-joins as it.
+  hsdp::v1::JoinResponse Join(int rank, int64_t worker_id = 0) {
+    hsdp::v1::JoinRequest request = MakeJoin(kJob, kLayers, rank);
+    request.set_worker_id(worker_id);
     hsdp::v1::JoinResponse response;
-    grpc::Status s =
-        worker->Join(Ctx().get(), MakeJoin(kJob, kLayers, rank), &response);
+    grpc::Status s = worker->Join(Ctx().get(), request, &response);
     EXPECT_TRUE(s.ok()) << s.error_message();
     return response;
   }
+  // Legacy read by rank (clients without worker ids).
   std::string Fetch(int rank, int64_t step) {
     hsdp::v1::GetScheduleRequest request;
     request.set_job_id(kJob);
@@ -50,29 +54,77 @@ struct Clients {
     EXPECT_TRUE(s.ok()) << "step " << step << ": " << s.error_message();
     return response.schedule().SerializeAsString();
   }
-  void Report(int rank, int64_t step) {
-    hsdp::v1::ReportStepRequest request;
+  std::string FetchAs(int64_t worker_id, int64_t generation, int64_t step) {
+    hsdp::v1::GetScheduleRequest request;
     request.set_job_id(kJob);
-    request.mutable_report()->set_rank(rank);
-    request.mutable_report()->set_step(step);
-    hsdp::v1::ReportStepResponse response;
-    EXPECT_TRUE(worker->ReportStep(Ctx().get(), request, &response).ok());
+    request.set_worker_id(worker_id);
+    request.set_generation(generation);
+    request.set_step(step);
+    hsdp::v1::GetScheduleResponse response;
+    grpc::Status s = worker->GetSchedule(Ctx().get(), request, &response);
+    EXPECT_TRUE(s.ok()) << "step " << step << ": " << s.error_message();
+    return response.schedule().SerializeAsString();
   }
-  void Heartbeat(int rank, int64_t step = 0) {
+  void Heartbeat(int64_t worker_id, int64_t step = 0, int64_t generation = 0) {
     hsdp::v1::HeartbeatRequest request;
     request.set_job_id(kJob);
-    request.set_rank(rank);
+    request.set_worker_id(worker_id);
+    request.set_generation(generation);
     request.set_step(step);
     hsdp::v1::HeartbeatResponse response;
     EXPECT_TRUE(worker->Heartbeat(Ctx().get(), request, &response).ok());
   }
-  // Both ranks run `steps` more steps starting at `first`.
-  void RunSteps(int64_t first, int64_t steps) {
-    for (int64_t s = first; s < first + steps; ++s) {
-      EXPECT_EQ(Fetch(0, s), Fetch(1, s));
-      Report(0, s);
-      Report(1, s);
+  grpc::Status Commit(int64_t worker_id, int64_t generation, int64_t step,
+                      hsdp::v1::CommitStepResponse* response) {
+    hsdp::v1::CommitStepRequest request;
+    request.set_job_id(kJob);
+    request.set_worker_id(worker_id);
+    request.set_generation(generation);
+    request.set_step(step);
+    return worker->CommitStep(Ctx(std::chrono::seconds(20)).get(), request,
+                              response);
+  }
+  // Until the answer is not ENDED (calling again confirms).
+  hsdp::v1::AwaitGenerationResponse Await(int64_t worker_id, int64_t known) {
+    hsdp::v1::AwaitGenerationResponse response;
+    while (true) {
+      hsdp::v1::AwaitGenerationRequest request;
+      request.set_job_id(kJob);
+      request.set_worker_id(worker_id);
+      request.set_generation(known);
+      grpc::Status s = worker->AwaitGeneration(
+          Ctx(std::chrono::seconds(20)).get(), request, &response);
+      EXPECT_TRUE(s.ok()) << s.error_message();
+      if (!s.ok() || response.outcome() != hsdp::v1::AWAIT_OUTCOME_ENDED) {
+        return response;
+      }
     }
+  }
+  // The members `ids` of `generation` read, train and commit `steps` steps
+  // from `first` (each votes on its own thread: the vote waits for the
+  // others). Returns whether the generation ends after the last one.
+  bool RunSteps(const std::vector<int64_t>& ids, int64_t generation,
+                int64_t first, int64_t steps) {
+    bool reform = false;
+    for (int64_t s = first; s < first + steps; ++s) {
+      std::string expected;
+      for (int64_t id : ids) {
+        const std::string got = FetchAs(id, generation, s);
+        if (expected.empty()) expected = got;
+        EXPECT_EQ(got, expected) << "step " << s;
+      }
+      std::vector<std::thread> voters;
+      std::vector<hsdp::v1::CommitStepResponse> answers(ids.size());
+      for (size_t i = 0; i < ids.size(); ++i) {
+        voters.emplace_back([&, i] {
+          grpc::Status st = Commit(ids[i], generation, s, &answers[i]);
+          EXPECT_TRUE(st.ok()) << st.error_message();
+        });
+      }
+      for (auto& t : voters) t.join();
+      reform = answers[0].reform_after();
+    }
+    return reform;
   }
   hsdp::v1::GetStatusResponse Status() {
     hsdp::v1::GetStatusResponse response;
@@ -115,13 +167,14 @@ struct Clients {
 
 std::vector<std::string> JobArgs(const std::string& state_dir,
                                  const std::string& token_file,
-                                 const std::string& heartbeat_timeout) {
+                                 const std::string& heartbeat_timeout,
+                                 const std::string& mesh = "1x2") {
   return {"--job-id",
           kJob,
           "--world-size",
           "2",
           "--mesh",
-          "1x2",
+          mesh,
           "--state-dir",
           state_dir,
           "--heartbeat-timeout",
@@ -130,6 +183,10 @@ std::vector<std::string> JobArgs(const std::string& state_dir,
           token_file};
 }
 
+// A 2x1 job loses a worker, shrinks, grows back with a replacement (healed),
+// changes its policy, and the coordinator is SIGKILLed: the restarted one
+// serves the same generation, committed step and sealed bytes, takes the
+// workers back by id, answers a retried vote as before and goes on.
 TEST(CoordinatorE2eTest, KilledAndRestartedServesTheSameSealedSteps) {
   TempDir dir;
   const std::string token_file = dir.Write("token", std::string(kToken) + "\n");
@@ -137,33 +194,61 @@ TEST(CoordinatorE2eTest, KilledAndRestartedServesTheSameSealedSteps) {
   std::map<int64_t, std::string> sealed_before;
   hsdp::v1::GetStatusResponse status_before;
   hsdp::v1::GetPolicyResponse policy_before;
+  std::vector<int64_t> members;
+  int64_t generation = 0;
   {
-    // A short heartbeat timeout so a silent rank is lost and the generation
-    // moves off 0.
+    // A short heartbeat timeout so a silent worker is lost quickly.
     CoordinatorProcess coordinator(HSDP_COORDINATOR_BIN,
-                                   JobArgs(state, token_file, "1"));
+                                   JobArgs(state, token_file, "1", "2x1"));
     ASSERT_FALSE(coordinator.address().empty()) << coordinator.process().err();
     Clients c(coordinator.address());
-    c.Join(0);
-    c.Join(1);
-    // Rank 0 beats 10x per timeout; rank 1 stays silent until it is lost.
-    const auto give_up =
-        std::chrono::steady_clock::now() + std::chrono::seconds(10);
-    while (c.Status().generation() == 0 &&
-           std::chrono::steady_clock::now() < give_up) {
-      c.Heartbeat(0);
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    }
-    ASSERT_EQ(c.Status().generation(), 1);
-    ASSERT_EQ(c.Join(1).generation(),
-              1);  // takes its slot back, same generation
-    c.RunSteps(0, 6);
+    const int64_t w0 = c.Join(0).worker_id();
+    const int64_t w1 = c.Join(1).worker_id();
+    EXPECT_FALSE(c.RunSteps({w0, w1}, 0, 0, 3));
+    // Worker 1 goes silent; worker 0 beats 10x per timeout and waits for its
+    // next generation.
+    std::atomic<bool> stop{false};
+    std::thread beats([&] {
+      while (!stop.load()) {
+        c.Heartbeat(w0);
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      }
+    });
+    hsdp::v1::AwaitGenerationResponse next = c.Await(w0, 0);
+    ASSERT_EQ(next.outcome(), hsdp::v1::AWAIT_OUTCOME_FORMED);
+    EXPECT_EQ(next.generation().generation(), 1);
+    EXPECT_EQ(next.generation().start_step(), 3);
+    EXPECT_FALSE(c.RunSteps({w0}, 1, 3, 2));
+    // A replacement joins; the job grows back at the next step boundary.
+    const hsdp::v1::JoinResponse replacement = c.Join(0);
+    EXPECT_EQ(replacement.worker_state(), hsdp::v1::WORKER_STATE_JOINING);
+    const int64_t w2 = replacement.worker_id();
+    EXPECT_EQ(c.Await(w2, -1).outcome(), hsdp::v1::AWAIT_OUTCOME_STANDBY);
+    EXPECT_TRUE(c.RunSteps({w0}, 1, 5, 1));
+    std::thread joiner([&] {
+      const hsdp::v1::AwaitGenerationResponse j = c.Await(w2, 1);
+      EXPECT_EQ(j.outcome(), hsdp::v1::AWAIT_OUTCOME_FORMED);
+      EXPECT_EQ(j.generation().roles(1), hsdp::v1::GENERATION_ROLE_HEAL_TARGET);
+    });
+    next = c.Await(w0, 1);
+    joiner.join();
+    stop = true;
+    beats.join();
+    ASSERT_EQ(next.outcome(), hsdp::v1::AWAIT_OUTCOME_FORMED);
+    generation = next.generation().generation();
+    EXPECT_EQ(generation, 2);
+    members = {next.generation().worker_ids().begin(),
+               next.generation().worker_ids().end()};
+    EXPECT_EQ(members, (std::vector<int64_t>{w0, w2}));
+    EXPECT_EQ(next.generation().roles(0),
+              hsdp::v1::GENERATION_ROLE_HEAL_SOURCE);
+    c.RunSteps(members, generation, 6, 3);
     hsdp::v1::Policy p2;
     p2.set_forward_prefetch_depth(2);
     p2.set_reshard_after_forward(false);
     const hsdp::v1::SetPolicyResponse v2 = c.SetPolicy(p2);
     EXPECT_EQ(v2.policy_version(), 2);
-    c.RunSteps(6, 6);
+    c.RunSteps(members, generation, 9, 3);
     // v3 is announced for a step that is not sealed yet when the coordinator
     // dies.
     hsdp::v1::Policy p3;
@@ -175,6 +260,8 @@ TEST(CoordinatorE2eTest, KilledAndRestartedServesTheSameSealedSteps) {
     EXPECT_EQ(v3.policy_version(), 3);
     status_before = c.Status();
     policy_before = c.Policy();
+    EXPECT_EQ(status_before.last_committed_step(), 11);
+    EXPECT_EQ(status_before.failures(), 1);
     EXPECT_EQ(policy_before.effective_step(), status_before.sealed_step() + 1);
     for (int64_t s = 0; s <= status_before.sealed_step(); ++s)
       sealed_before[s] = c.Sealed(s);
@@ -183,15 +270,17 @@ TEST(CoordinatorE2eTest, KilledAndRestartedServesTheSameSealedSteps) {
   }
   ASSERT_GE(sealed_before.size(), 12u);
 
-  // Same state directory; a long heartbeat timeout so the restored members stay
-  // alive.
+  // Same state directory; a long heartbeat timeout so the restored members
+  // stay alive.
   CoordinatorProcess coordinator(HSDP_COORDINATOR_BIN,
-                                 JobArgs(state, token_file, "30"));
+                                 JobArgs(state, token_file, "30", "2x1"));
   ASSERT_FALSE(coordinator.address().empty()) << coordinator.process().err();
   Clients c(coordinator.address());
   const hsdp::v1::GetStatusResponse status = c.Status();
   EXPECT_EQ(status.generation(), status_before.generation());
   EXPECT_EQ(status.sealed_step(), status_before.sealed_step());
+  EXPECT_EQ(status.last_committed_step(), 11);
+  EXPECT_EQ(status.failures(), 1);
   EXPECT_EQ(status.policy_version(), 3);
   EXPECT_EQ(status.model(), kModel);
   const hsdp::v1::GetPolicyResponse policy = c.Policy();
@@ -200,23 +289,30 @@ TEST(CoordinatorE2eTest, KilledAndRestartedServesTheSameSealedSteps) {
     EXPECT_EQ(c.Sealed(step), bytes)
         << "sealed step " << step << " changed across the restart";
   }
-  // Workers re-join on their ranks without a generation bump and read the same
-  // bytes.
-  EXPECT_EQ(c.Join(0).generation(), status_before.generation());
-  EXPECT_EQ(c.Join(1).generation(), status_before.generation());
+  // Workers re-join with their ids, on their ranks, without a new generation,
+  // and read the same bytes.
+  const hsdp::v1::JoinResponse back0 = c.Join(0, members[0]);
+  EXPECT_EQ(back0.generation(), generation);
+  EXPECT_EQ(back0.rank(), 0);
+  EXPECT_EQ(c.Join(0, members[1]).rank(), 1);
   const int64_t last = status_before.sealed_step();
-  EXPECT_EQ(c.Fetch(0, last), sealed_before[last]);
+  EXPECT_EQ(c.FetchAs(members[0], generation, last), sealed_before[last]);
+  // A vote retried across the restart gets the decision made before it.
+  hsdp::v1::CommitStepResponse retried;
+  ASSERT_TRUE(c.Commit(members[1], generation, 11, &retried).ok());
+  EXPECT_FALSE(retried.reform_after());
   // Completed steps are not persisted: the workers' heartbeats ("on step
   // last + 1", as the agent sends them) reopen the read-ahead window.
-  c.Heartbeat(0, last + 1);
-  c.Heartbeat(1, last + 1);
+  c.Heartbeat(members[0], last + 1, generation);
+  c.Heartbeat(members[1], last + 1, generation);
   // The next step is the first of policy v3, exactly as announced before the
   // crash.
   hsdp::v1::StepSchedule next;
-  ASSERT_TRUE(next.ParseFromString(c.Fetch(1, last + 1)));
+  ASSERT_TRUE(
+      next.ParseFromString(c.FetchAs(members[1], generation, last + 1)));
   EXPECT_EQ(next.policy_version(), 3);
   EXPECT_EQ(next.microbatches_size(), 3);
-  EXPECT_EQ(next.generation(), status_before.generation());
+  EXPECT_EQ(next.generation(), generation);
 }
 
 TEST(CoordinatorE2eTest, MeshNotDividingTheWorldExitsWithTheReason) {

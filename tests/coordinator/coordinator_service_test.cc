@@ -21,6 +21,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "common/policy.h"
 #include "common/units.h"
 #include "coordinator/grpc_status.h"
 #include "coordinator/kv_store.h"
@@ -268,6 +269,7 @@ TEST_F(ServiceTest, SixtyFourWorkersAgreeOnEveryStepWhilePolicyChanges) {
   const UnitList units = ModelUnits();
   Planner planner(units, /*shard_size=*/16);
   size_t change = 0;
+  int64_t first_microbatch = 0;
   for (int step = 0; step < kSteps; ++step) {
     // Byte-identical across workers.
     for (int r = 1; r < kWorkers; ++r) {
@@ -288,8 +290,18 @@ TEST_F(ServiceTest, SixtyFourWorkersAgreeOnEveryStepWhilePolicyChanges) {
     input.step = step;
     input.policy_version = changes[change].version;
     input.generation = generations[0];
-    EXPECT_EQ(planner.Plan(changes[change].policy, input).SerializeAsString(),
-              got[0][step])
+    // The schedule log adds the generation's sample split: the full world
+    // (64 ranks) in the fixed batch mode, the policy's microbatches each.
+    hsdp::v1::StepSchedule expected =
+        planner.Plan(changes[change].policy, input);
+    const int64_t per_rank =
+        ResolvePolicyDefaults(changes[change].policy).microbatches();
+    expected.set_world_size(kWorkers);
+    expected.set_global_microbatches(per_rank * kWorkers);
+    expected.set_first_microbatch(first_microbatch);
+    expected.set_batch_mode(hsdp::v1::BATCH_MODE_FIXED);
+    first_microbatch += per_rank * kWorkers;
+    EXPECT_EQ(expected.SerializeAsString(), got[0][step])
         << "step " << step << " is not the plan of policy version "
         << changes[change].version;
   }
@@ -404,10 +416,18 @@ TEST_F(ServiceTest, DuplicateRankIsAlreadyExistsAndChangesNothing) {
   EXPECT_EQ(Snapshot(), before);
 }
 
+// A full job keeps up to world-size workers waiting to join (spares); one
+// more is refused.
 TEST_F(ServiceTest, JoinToFullJobIsResourceExhaustedAndChangesNothing) {
   StartServer(2, MeshShape{1, 2});
   JoinRank(0);
   JoinRank(1);
+  for (int spare = 0; spare < 2; ++spare) {
+    const hsdp::v1::JoinResponse waiting = JoinRank(-1);
+    EXPECT_EQ(waiting.worker_state(), hsdp::v1::WORKER_STATE_JOINING);
+    EXPECT_EQ(waiting.rank(), -1);
+    EXPECT_FALSE(waiting.has_generation_info());
+  }
   const std::string before = Snapshot();
   hsdp::v1::JoinResponse response;
   grpc::Status s =
@@ -656,30 +676,57 @@ TEST_F(ServiceTest, StoreBlocksUntilSetAndIsScopedByGeneration) {
   EXPECT_NE(s.error_message().find("gloo/addr/2"), std::string::npos)
       << s.error_message();
 
-  // Another generation's scope is refused: a stale worker must re-join first.
+  // Another generation's scope is refused: a stale worker must re-form
+  // first.
   set.set_generation(joined.generation() + 1);
   EXPECT_EQ(worker_->StoreSet(Ctx().get(), set, &set_response).error_code(),
-            grpc::StatusCode::FAILED_PRECONDITION);
+            grpc::StatusCode::ABORTED);
 }
 
-TEST_F(ServiceTest, SilentWorkerIsLostAndGenerationBumps) {
-  StartServer(2, MeshShape{1, 2}, ServerOptions{}, absl::Seconds(1));
+// A silent worker is lost; its generation ends; the survivor confirms and
+// is told the next generation (without it), which the heartbeats then show.
+TEST_F(ServiceTest, SilentWorkerIsLostAndTheSurvivorReforms) {
+  StartServer(2, MeshShape{2, 1}, ServerOptions{}, absl::Seconds(1));
   const hsdp::v1::JoinResponse j0 = JoinRank(0);
-  JoinRank(1);
-  // Rank 0 keeps beating (10x per timeout, so a loaded machine cannot lose it);
-  // rank 1 goes silent until the coordinator notices.
-  hsdp::v1::HeartbeatResponse beat;
-  const auto give_up =
-      std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  do {
-    hsdp::v1::HeartbeatRequest request;
+  const hsdp::v1::JoinResponse j1 = JoinRank(1);
+  // Worker 0 keeps beating (10x per timeout, so a loaded machine cannot lose
+  // it) and, like its agent, waits in AwaitGeneration; worker 1 goes silent.
+  std::atomic<bool> stop{false};
+  std::thread beats([&] {
+    while (!stop.load()) {
+      hsdp::v1::HeartbeatRequest request;
+      request.set_job_id(kJob);
+      request.set_worker_id(j0.worker_id());
+      request.set_generation(j0.generation());
+      hsdp::v1::HeartbeatResponse beat;
+      EXPECT_TRUE(worker_->Heartbeat(Ctx().get(), request, &beat).ok());
+      std::this_thread::sleep_for(milliseconds(100));
+    }
+  });
+  hsdp::v1::AwaitGenerationResponse next;
+  for (int64_t known = j0.generation();;) {
+    hsdp::v1::AwaitGenerationRequest request;
     request.set_job_id(kJob);
-    request.set_rank(0);
-    request.set_generation(j0.generation());
-    ASSERT_TRUE(worker_->Heartbeat(Ctx().get(), request, &beat).ok());
-    std::this_thread::sleep_for(milliseconds(100));
-  } while (beat.generation() == j0.generation() &&
-           std::chrono::steady_clock::now() < give_up);
+    request.set_worker_id(j0.worker_id());
+    request.set_generation(known);
+    grpc::Status s = worker_->AwaitGeneration(
+        Ctx(std::chrono::seconds(20)).get(), request, &next);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    if (next.outcome() != hsdp::v1::AWAIT_OUTCOME_ENDED) break;
+  }
+  stop = true;
+  beats.join();
+  ASSERT_EQ(next.outcome(), hsdp::v1::AWAIT_OUTCOME_FORMED);
+  EXPECT_EQ(next.generation().generation(), j0.generation() + 1);
+  EXPECT_EQ(next.generation().mesh().replicate(), 1);
+  ASSERT_EQ(next.generation().worker_ids_size(), 1);
+  EXPECT_EQ(next.generation().worker_ids(0), j0.worker_id());
+  hsdp::v1::HeartbeatRequest request;
+  request.set_job_id(kJob);
+  request.set_worker_id(j0.worker_id());
+  request.set_generation(next.generation().generation());
+  hsdp::v1::HeartbeatResponse beat;
+  ASSERT_TRUE(worker_->Heartbeat(Ctx().get(), request, &beat).ok());
   EXPECT_EQ(beat.generation(), j0.generation() + 1);
   EXPECT_EQ(beat.job_state(), hsdp::v1::JOB_STATE_DEGRADED);
   hsdp::v1::ListWorkersResponse workers;
@@ -688,19 +735,28 @@ TEST_F(ServiceTest, SilentWorkerIsLostAndGenerationBumps) {
                                 &workers)
                   .ok());
   ASSERT_EQ(workers.workers_size(), 2);
+  EXPECT_EQ(workers.workers(0).worker_id(), j0.worker_id());
   EXPECT_EQ(workers.workers(0).state(), hsdp::v1::WORKER_STATE_ALIVE);
+  EXPECT_EQ(workers.workers(1).worker_id(), j1.worker_id());
   EXPECT_EQ(workers.workers(1).state(), hsdp::v1::WORKER_STATE_LOST);
   EXPECT_NE(
       server_->metrics().Serialize().find("hsdp_workers{state=\"lost\"} 1"),
       std::string::npos);
-  // The lost rank's calls are refused until it re-joins; re-joining takes the
-  // slot back.
+  // The lost worker's calls are refused: it must join again, as a new worker.
   hsdp::v1::GetScheduleResponse response;
-  EXPECT_EQ(Fetch(1, 0, &response).error_code(),
+  hsdp::v1::GetScheduleRequest fetch;
+  fetch.set_job_id(kJob);
+  fetch.set_worker_id(j1.worker_id());
+  fetch.set_generation(j1.generation());
+  EXPECT_EQ(worker_->GetSchedule(Ctx().get(), fetch, &response).error_code(),
             grpc::StatusCode::FAILED_PRECONDITION);
+  // The survivor's old generation is over for schedule reads too.
+  fetch.set_worker_id(j0.worker_id());
+  EXPECT_EQ(worker_->GetSchedule(Ctx().get(), fetch, &response).error_code(),
+            grpc::StatusCode::ABORTED);
   const hsdp::v1::JoinResponse again = JoinRank(1);
-  EXPECT_EQ(again.rank(), 1);
-  EXPECT_EQ(again.generation(), j0.generation() + 1);
+  EXPECT_NE(again.worker_id(), j1.worker_id());
+  EXPECT_EQ(again.worker_state(), hsdp::v1::WORKER_STATE_JOINING);
 }
 
 // --- Health, reflection, metrics.

@@ -96,8 +96,13 @@ TEST_F(HsdpctlTest, StatusAndWorkersAsTablesAndJson) {
 
   r = Ctl({"workers"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
-  EXPECT_EQ(r.out.rfind("RANK  STATE  HOST    DEVICE", 0), 0u) << r.out;
-  EXPECT_NE(r.out.find("1     ALIVE  host-1  cpu"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.rfind("WORKER  RANK  STATE  GEN  ROLE   HOST    DEVICE", 0),
+            0u)
+      << r.out;
+  EXPECT_NE(r.out.find("2       1     ALIVE  0    train  host-1  cpu"),
+            std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("joined@g0 member@g0:r1"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("3.2500"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("3.0MiB"), std::string::npos) << r.out;
 
@@ -195,6 +200,42 @@ TEST_F(HsdpctlTest, ScheduleCheckpointAndDrain) {
   r = Ctl({"status"});
   EXPECT_NE(r.out.find("DRAINING"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("drain step       1"), std::string::npos) << r.out;
+}
+
+TEST_F(HsdpctlTest, EvictShowsInWorkersAndStatus) {
+  RunWorkers(1);
+  RunResult r = Ctl({"evict", "1"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out,
+            "worker 2 evicted: generation 0 ends at the next step boundary "
+            "without it\n");
+  r = Ctl({"workers"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("2       1     EVICTED"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("member@g0:r1 evicted@g0"), std::string::npos) << r.out;
+  // Again, or an unknown rank: the coordinator's refusal, exit code 1.
+  r = Ctl({"evict", "1"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_EQ(r.err.rfind("hsdpctl: evict: FAILED_PRECONDITION: ", 0), 0u)
+      << r.err;
+  r = Ctl({"evict", "--worker-id", "99"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_EQ(r.err.rfind("hsdpctl: evict: NOT_FOUND: ", 0), 0u) << r.err;
+  r = Ctl({"evict"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("RANK or --worker-id"), std::string::npos) << r.err;
+  r = Ctl({"status"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("replica groups   1 of 1 (min 1)"), std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("committed step   none"), std::string::npos) << r.out;
+  // The batch mode is a policy field.
+  r = Ctl({"policy", "set", "--batch-mode", "shrink"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  r = Ctl({"policy", "get"});
+  EXPECT_NE(r.out.find("BATCH_MODE_SHRINK"), std::string::npos) << r.out;
+  r = Ctl({"policy", "set", "--batch-mode", "grow"});
+  EXPECT_EQ(r.exit_code, 2);
 }
 
 TEST_F(HsdpctlTest, ErrorsAreOneLineWithExitCodes) {

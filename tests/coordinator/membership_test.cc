@@ -1,85 +1,70 @@
+// Membership basics: joins into the open first generation, refusals, later
+// joiners, heartbeats, finishing, options, and restarts on a state directory.
+// The elastic scenarios (shrink, grow, commits) are in elastic_test.cc.
 #include "coordinator/membership.h"
 
 #include <gtest/gtest.h>
 
 #include <functional>
 
-#include "tests/coordinator/core_test_util.h"
+#include "tests/coordinator/membership_test_util.h"
 
 namespace hsdp::coordinator {
 namespace {
 
-using hsdp::v1::JobState;
 using testing::FreshDir;
+using testing::kHeartbeatTimeout;
 using testing::MakeUnits;
 
-constexpr absl::Duration kTimeout = absl::Seconds(10);
-
-class MembershipTest : public ::testing::Test {
+class MembershipTest : public testing::MembershipFixture {
  protected:
-  std::unique_ptr<Membership> Make(int world, MeshShape mesh,
-                                   StateStore* store = nullptr) {
-    Membership::Options options;
-    options.job_id = "job";
-    options.world_size = world;
-    options.mesh = mesh;
-    options.heartbeat_timeout = kTimeout;
-    options.clock = &clock_;
-    auto m = Membership::Create(options, store);
-    EXPECT_TRUE(m.ok()) << m.status();
-    return m.ok() ? std::move(*m) : nullptr;
-  }
-
-  static JoinArgs Args(std::optional<int> hint, const std::string& host,
-                       UnitList units = MakeUnits(2)) {
-    JoinArgs args;
-    args.rank_hint = hint;
-    args.hostname = host;
-    args.device = "cpu";
-    args.model = "gpt-tiny";
-    args.units = std::move(units);
-    return args;
-  }
-
   // Joins ranks 0 ("a") and 1 ("b") of a 1xworld job persisted in `dir`, as a
   // coordinator that then dies; `before_exit` may change more.
-  void PersistTwoMembers(
+  std::vector<int64_t> PersistTwoMembers(
       const std::string& dir, int world,
       const std::function<void(Membership&)>& before_exit = nullptr) {
     auto store = StateStore::Open(dir);
-    ASSERT_TRUE(store.ok());
-    auto m = Make(world, {1, world}, store->get());
-    ASSERT_TRUE(m->Join(Args(0, "a")).ok());
-    ASSERT_TRUE(m->Join(Args(1, "b")).ok());
+    EXPECT_TRUE(store.ok());
+    auto m = Make({1, world}, store->get());
+    std::vector<int64_t> ids = {m->Join(Args(0, "a"))->worker_id,
+                                m->Join(Args(1, "b"))->worker_id};
     if (before_exit) before_exit(*m);
+    return ids;
   }
-
-  FakeClock clock_;
 };
 
 TEST_F(MembershipTest, HintThenFirstComeAndCoordinates) {
-  auto m = Make(4, {2, 2});
+  auto m = Make({2, 2});
   EXPECT_EQ(m->job_state(), hsdp::v1::JOB_STATE_WAITING);
   absl::StatusOr<JoinResult> a = m->Join(Args(3, "h3"));
   ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_TRUE(a->member);
   EXPECT_EQ(a->rank, 3);
   EXPECT_EQ(a->coord, (MeshCoord{1, 1}));
   EXPECT_TRUE(a->established_model);
-  EXPECT_EQ(a->generation, 0);
+  EXPECT_EQ(a->generation.generation(), 0);
+  EXPECT_EQ(a->state, hsdp::v1::WORKER_STATE_ALIVE);
   absl::StatusOr<JoinResult> b = m->Join(Args(std::nullopt, "hb"));
   ASSERT_TRUE(b.ok());
   EXPECT_EQ(b->rank, 0);
   EXPECT_FALSE(b->established_model);
+  EXPECT_NE(b->worker_id, a->worker_id);
   EXPECT_EQ(m->Join(Args(-1, "hc"))->rank, 1);  // negative hint: no preference
   EXPECT_EQ(m->Join(Args(std::nullopt, "hd"))->rank, 2);
   EXPECT_EQ(m->job_state(), hsdp::v1::JOB_STATE_RUNNING);
   EXPECT_EQ(m->workers_alive(), 4);
   EXPECT_EQ(m->model(), "gpt-tiny");
   EXPECT_EQ(m->units().size(), 3u);
+  // The first generation's description: every rank's worker id, in order.
+  const hsdp::v1::Generation g = m->current_generation();
+  EXPECT_EQ(g.worker_ids(3), a->worker_id);
+  EXPECT_EQ(g.worker_ids(0), b->worker_id);
+  EXPECT_EQ(g.mesh().replicate(), 2);
+  EXPECT_EQ(g.start_step(), 0);
 }
 
 TEST_F(MembershipTest, RefusalsChangeNothing) {
-  auto m = Make(2, {1, 2});
+  auto m = Make({1, 2});
   ASSERT_TRUE(m->Join(Args(1, "host-a")).ok());
 
   absl::StatusOr<JoinResult> dup = m->Join(Args(1, "host-b"));
@@ -103,82 +88,93 @@ TEST_F(MembershipTest, RefusalsChangeNothing) {
             absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(m->Join(Args(std::nullopt, "h", {})).status().code(),
             absl::StatusCode::kInvalidArgument);
+  JoinArgs unknown_id = Args(std::nullopt, "h");
+  unknown_id.worker_id = 999;
+  EXPECT_EQ(m->Join(unknown_id).status().code(), absl::StatusCode::kNotFound);
 
   EXPECT_EQ(m->Workers().size(), 1u);
   EXPECT_EQ(m->generation(), 0);
-
-  ASSERT_TRUE(m->Join(Args(std::nullopt, "h0")).ok());
-  absl::StatusOr<JoinResult> full = m->Join(Args(std::nullopt, "late"));
-  EXPECT_EQ(full.status().code(), absl::StatusCode::kResourceExhausted);
-  EXPECT_EQ(m->Workers().size(), 2u);
 }
 
-TEST_F(MembershipTest, HeartbeatTimeoutLosesWorkerAndBumpsGeneration) {
-  auto m = Make(2, {1, 2});
-  ASSERT_TRUE(m->Join(Args(0, "a")).ok());
-  ASSERT_TRUE(m->Join(Args(1, "b")).ok());
+// Once the first generation is full, a joiner waits (JOINING) for a
+// generation that includes it; spares are capped at the world size.
+TEST_F(MembershipTest, LateJoinersWaitAndAreCapped) {
+  auto m = Make({1, 2});
+  JoinAll(*m);
+  absl::StatusOr<JoinResult> late = m->Join(Args(std::nullopt, "late"));
+  ASSERT_TRUE(late.ok()) << late.status();
+  EXPECT_FALSE(late->member);
+  EXPECT_EQ(late->rank, -1);
+  EXPECT_EQ(late->state, hsdp::v1::WORKER_STATE_JOINING);
+  // A hint means nothing once the first generation is full.
+  absl::StatusOr<JoinResult> hinted = m->Join(Args(0, "hinted"));
+  ASSERT_TRUE(hinted.ok());
+  EXPECT_FALSE(hinted->member);
+  absl::StatusOr<JoinResult> full = m->Join(Args(std::nullopt, "third"));
+  EXPECT_EQ(full.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(m->Workers().size(), 4u);
+  EXPECT_EQ(m->Status().joining, 2);
+  // A member-only call from a joiner says what to do.
+  EXPECT_EQ(m->ResolveMember(late->worker_id, 0, std::nullopt).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
+// While the first generation is open, a silent worker's rank is simply freed
+// (nobody trained yet) and the next joiner takes it.
+TEST_F(MembershipTest, OpenGenerationFreesTheRankOfALostWorker) {
+  auto m = Make({1, 3});
+  const int64_t a = m->Join(Args(0, "a"))->worker_id;
+  const int64_t b = m->Join(Args(1, "b"))->worker_id;
   clock_.Advance(absl::Seconds(6));
-  ASSERT_TRUE(m->Heartbeat(0, 5).ok());
-  clock_.Advance(absl::Seconds(6));  // rank 1 silent for 12 s, rank 0 for 6 s
-  EXPECT_EQ(m->SweepHeartbeats(), (std::vector<int>{1}));
-  EXPECT_EQ(m->job_state(), hsdp::v1::JOB_STATE_DEGRADED);
-  EXPECT_EQ(m->generation(), 1);
-  EXPECT_EQ(m->workers_alive(), 1);
-  EXPECT_TRUE(m->SweepHeartbeats().empty());  // no second bump
-  EXPECT_EQ(m->generation(), 1);
-
-  EXPECT_EQ(m->Heartbeat(1, 5).code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_EQ(m->CheckMember(1).code(), absl::StatusCode::kFailedPrecondition);
-  const auto workers = m->Workers();
-  EXPECT_EQ(workers[1].state, hsdp::v1::WORKER_STATE_LOST);
-  EXPECT_EQ(workers[1].heartbeat_age, absl::Seconds(12));
-  EXPECT_EQ(workers[0].step, 5);
-
-  // A replacement without a hint takes the lost slot; the generation stays.
-  absl::StatusOr<JoinResult> again = m->Join(Args(std::nullopt, "b2"));
+  Beat(*m, {a});
+  clock_.Advance(absl::Seconds(6));  // b silent for 12 s, a for 6 s
+  EXPECT_EQ(m->Tick(), (std::vector<int64_t>{b}));
+  EXPECT_EQ(m->generation(), 0);
+  EXPECT_EQ(m->job_state(), hsdp::v1::JOB_STATE_WAITING);
+  EXPECT_EQ(StateOf(*m, b), hsdp::v1::WORKER_STATE_LOST);
+  EXPECT_EQ(m->Heartbeat(b, -1, 5).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  absl::StatusOr<JoinResult> again = m->Join(Args(1, "b"));
   ASSERT_TRUE(again.ok()) << again.status();
   EXPECT_EQ(again->rank, 1);
-  EXPECT_TRUE(again->replaced);
-  EXPECT_EQ(again->generation, 1);
-  EXPECT_EQ(m->job_state(), hsdp::v1::JOB_STATE_RUNNING);
+  EXPECT_NE(again->worker_id, b);  // a new incarnation
+  EXPECT_EQ(m->generation(), 0);
 }
 
-TEST_F(MembershipTest, RejoinWithHintAfterLoss) {
-  auto m = Make(1, {1, 1});
-  ASSERT_TRUE(m->Join(Args(0, "a")).ok());
-  clock_.Advance(kTimeout + absl::Seconds(1));
-  // The join itself sweeps: the timed-out holder no longer blocks its rank.
-  absl::StatusOr<JoinResult> r = m->Join(Args(0, "a"));
-  ASSERT_TRUE(r.ok()) << r.status();
-  EXPECT_TRUE(r->replaced);
-  EXPECT_EQ(r->generation, 1);
-}
-
-TEST_F(MembershipTest, UnknownRanks) {
-  auto m = Make(2, {1, 2});
-  EXPECT_EQ(m->Heartbeat(0, 0).code(), absl::StatusCode::kNotFound);
-  EXPECT_EQ(m->Heartbeat(5, 0).code(), absl::StatusCode::kNotFound);
-  EXPECT_EQ(m->CheckMember(-1).code(), absl::StatusCode::kNotFound);
-  EXPECT_EQ(m->MarkFinished(1).code(), absl::StatusCode::kNotFound);
+TEST_F(MembershipTest, UnknownWorkersAndRanks) {
+  auto m = Make({1, 2});
+  EXPECT_EQ(m->Heartbeat(0, 0, 0).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(m->Heartbeat(0, 5, 0).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(m->Heartbeat(77, -1, 0).status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(m->ResolveMember(0, -1, std::nullopt).status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(m->MarkFinished(0, 1).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(m->AwaitGeneration(5, -1, absl::Now()).status().code(),
+            absl::StatusCode::kNotFound);
   EXPECT_TRUE(m->CheckJobId("job").ok());
   EXPECT_EQ(m->CheckJobId("other").code(), absl::StatusCode::kNotFound);
 }
 
 TEST_F(MembershipTest, FinishedAndDraining) {
-  auto m = Make(2, {1, 2});
-  ASSERT_TRUE(m->Join(Args(0, "a")).ok());
-  ASSERT_TRUE(m->Join(Args(1, "b")).ok());
+  auto m = Make({1, 2});
+  const std::vector<int64_t> ids = JoinAll(*m);
   m->SetDraining(true);
   EXPECT_EQ(m->job_state(), hsdp::v1::JOB_STATE_DRAINING);
-  ASSERT_TRUE(m->MarkFinished(0).ok());
-  // Finished workers are not lost by silence, and their rank stays taken.
-  clock_.Advance(kTimeout * 3);
-  ASSERT_TRUE(m->Heartbeat(1, 0).code() == absl::StatusCode::kOk);
-  EXPECT_TRUE(m->SweepHeartbeats().empty());
-  EXPECT_EQ(m->Join(Args(0, "x")).status().code(),
-            absl::StatusCode::kAlreadyExists);
-  ASSERT_TRUE(m->MarkFinished(1).ok());
+  ASSERT_TRUE(m->MarkFinished(ids[0], 0).ok());
+  // Finished workers are not lost by silence.
+  clock_.Advance(kHeartbeatTimeout * 3);
+  Beat(*m, {ids[1]});
+  EXPECT_TRUE(m->Tick().empty());
+  EXPECT_EQ(m->generation(), 0);
+  ASSERT_TRUE(m->MarkFinished(0, 1).ok());  // by rank, as old clients do
   EXPECT_EQ(m->job_state(), hsdp::v1::JOB_STATE_FINISHED);
+  EXPECT_EQ(StateOf(*m, ids[1]), hsdp::v1::WORKER_STATE_FINISHED);
+  // A finished worker asking for its next generation is told to stop.
+  absl::StatusOr<AwaitResult> r =
+      m->AwaitGeneration(ids[0], 0, absl::Now() + absl::Seconds(1));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->outcome, hsdp::v1::AWAIT_OUTCOME_EXIT);
 }
 
 TEST_F(MembershipTest, RejectsBadOptions) {
@@ -192,36 +188,52 @@ TEST_F(MembershipTest, RejectsBadOptions) {
   options.heartbeat_timeout = absl::ZeroDuration();
   EXPECT_EQ(Membership::Create(options, nullptr).status().code(),
             absl::StatusCode::kInvalidArgument);
+  options.heartbeat_timeout = absl::Seconds(1);
+  options.min_replicas = 3;
+  absl::Status s = Membership::Create(options, nullptr).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("min replicas 3"), std::string::npos) << s;
+  options.min_replicas = 1;
+  options.join_wait = absl::Seconds(-1);
+  EXPECT_EQ(Membership::Create(options, nullptr).status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 TEST_F(MembershipTest, RestoresAfterCoordinatorRestart) {
   const std::string dir = FreshDir("state");
-  PersistTwoMembers(dir, 3,
-                    [](Membership& m) { EXPECT_EQ(m.BumpGeneration(), 1); });
+  const std::vector<int64_t> ids = PersistTwoMembers(dir, 3);
   auto store = StateStore::Open(dir);
   ASSERT_TRUE(store.ok());
-  auto m = Make(3, {1, 3}, store->get());
-  EXPECT_EQ(m->generation(), 1);
+  auto m = Make({1, 3}, store->get());
+  EXPECT_EQ(m->generation(), 0);
   EXPECT_EQ(m->model(), "gpt-tiny");
   EXPECT_EQ(m->units().size(), 3u);
   ASSERT_EQ(m->Workers().size(), 2u);
   EXPECT_TRUE(m->Workers()[0].restored);
   EXPECT_EQ(m->Workers()[1].hostname, "b");
   EXPECT_EQ(m->workers_alive(), 2);
-  // Workers simply continue: a heartbeat confirms a restored rank.
-  ASSERT_TRUE(m->Heartbeat(0, 10).ok());
+  // Workers simply continue: a heartbeat confirms a restored worker.
+  ASSERT_TRUE(m->Heartbeat(ids[0], -1, 10).ok());
   EXPECT_FALSE(m->Workers()[0].restored);
   // Another host claiming a restored rank is a duplicate.
   EXPECT_EQ(m->Join(Args(1, "intruder")).status().code(),
             absl::StatusCode::kAlreadyExists);
-  // Or re-join with their rank hint: allowed, without a new generation.
-  absl::StatusOr<JoinResult> r = m->Join(Args(1, "b"));
+  // Re-joining with its worker id takes the place back, same rank and
+  // generation.
+  JoinArgs back = Args(std::nullopt, "b");
+  back.worker_id = ids[1];
+  absl::StatusOr<JoinResult> r = m->Join(back);
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_TRUE(r->replaced);
-  EXPECT_EQ(r->generation, 1);
+  EXPECT_EQ(r->worker_id, ids[1]);
+  EXPECT_EQ(r->rank, 1);
+  EXPECT_EQ(r->generation.generation(), 0);
+  // New ids never reuse old ones.
+  absl::StatusOr<JoinResult> c = m->Join(Args(2, "c"));
+  ASSERT_TRUE(c.ok());
+  EXPECT_GT(c->worker_id, ids[1]);
   // The restored model still gates joins.
-  UnitList other = MakeUnits(3);
-  EXPECT_EQ(m->Join(Args(2, "c", other)).status().code(),
+  EXPECT_EQ(m->Join(Args(std::nullopt, "d", MakeUnits(3))).status().code(),
             absl::StatusCode::kFailedPrecondition);
   // A store of another job is refused.
   Membership::Options options;
@@ -232,21 +244,42 @@ TEST_F(MembershipTest, RestoresAfterCoordinatorRestart) {
             absl::StatusCode::kFailedPrecondition);
 }
 
-TEST_F(MembershipTest, RestoredSilentWorkersGetLost) {
+// Clients without worker ids take their restored place back by rank hint
+// from the same host.
+TEST_F(MembershipTest, RejoinByHintFromTheSameHostAfterRestart) {
   const std::string dir = FreshDir("state");
-  PersistTwoMembers(dir, 2);
+  const std::vector<int64_t> ids = PersistTwoMembers(dir, 2);
   auto store = StateStore::Open(dir);
   ASSERT_TRUE(store.ok());
-  auto m = Make(2, {1, 2}, store->get());
+  auto m = Make({1, 2}, store->get());
+  absl::StatusOr<JoinResult> r = m->Join(Args(1, "b"));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->replaced);
+  EXPECT_EQ(r->worker_id, ids[1]);
+  EXPECT_EQ(r->rank, 1);
+}
+
+TEST_F(MembershipTest, RestoredSilentWorkersGetLost) {
+  const std::string dir = FreshDir("state");
+  const std::vector<int64_t> ids = PersistTwoMembers(dir, 2);
+  auto store = StateStore::Open(dir);
+  ASSERT_TRUE(store.ok());
+  auto m = Make({1, 2}, store->get());
   clock_.Advance(absl::Seconds(5));
-  ASSERT_TRUE(m->Heartbeat(0, 1).ok());
+  Beat(*m, {ids[0]});
   clock_.Advance(absl::Seconds(6));
-  EXPECT_EQ(m->SweepHeartbeats(), (std::vector<int>{1}));
-  EXPECT_EQ(m->generation(), 1);
-  // The bumped generation is persisted.
+  EXPECT_EQ(m->Tick(), (std::vector<int64_t>{ids[1]}));
+  EXPECT_EQ(m->job_state(), hsdp::v1::JOB_STATE_REFORMING);
+  // The loss is persisted.
   auto reopened = StateStore::Open(dir);
   ASSERT_TRUE(reopened.ok());
-  EXPECT_EQ((*reopened)->state().generation(), 1);
+  bool lost_persisted = false;
+  const PersistedState state = (*reopened)->state();
+  for (const auto& w : state.workers()) {
+    lost_persisted |=
+        w.worker_id() == ids[1] && w.state() == hsdp::v1::WORKER_STATE_LOST;
+  }
+  EXPECT_TRUE(lost_persisted);
 }
 
 }  // namespace

@@ -40,6 +40,9 @@ std::unique_ptr<ScheduleLog> MakeLog(int world, int read_ahead,
 
 absl::Time Soon() { return absl::Now() + kWait; }
 
+// The log's first generation.
+constexpr GenerationContext kGen0{};
+
 // Reports `step` complete for every rank.
 void CompleteAll(ScheduleLog& log, int world, int64_t step) {
   for (int rank = 0; rank < world; ++rank) {
@@ -54,17 +57,16 @@ TEST(ScheduleLogTest, FirstReadSealsAndLaterReadsAreByteIdentical) {
   auto log = MakeLog(2, 4);
   EXPECT_EQ(log->sealed_step(), -1);
   EXPECT_EQ(log->GetSealed(0).status().code(), absl::StatusCode::kNotFound);
-  absl::StatusOr<ScheduleRead> first = log->GetSchedule(0, 3, Soon());
+  absl::StatusOr<ScheduleRead> first = log->GetSchedule(0, kGen0, Soon());
   ASSERT_TRUE(first.ok()) << first.status();
   ASSERT_NE(first->sealed, nullptr);
   EXPECT_FALSE(first->drained);
   EXPECT_EQ(first->sealed->bytes, first->sealed->schedule.SerializeAsString());
-  EXPECT_EQ(first->sealed->schedule.generation(), 3);
+  EXPECT_EQ(first->sealed->schedule.generation(), 0);
   EXPECT_EQ(log->sealed_step(), 0);
-  // Later reads — even after a policy change and in another generation — see
-  // the same bytes.
+  // Later reads — even after a policy change — see the same bytes.
   ASSERT_TRUE(log->SetPolicy(P("reshard_after_forward: false")).ok());
-  absl::StatusOr<ScheduleRead> again = log->GetSchedule(0, 4, Soon());
+  absl::StatusOr<ScheduleRead> again = log->GetSchedule(0, kGen0, Soon());
   ASSERT_TRUE(again.ok());
   EXPECT_EQ(again->sealed->bytes, first->sealed->bytes);
   absl::StatusOr<std::shared_ptr<const SealedSchedule>> control =
@@ -75,7 +77,7 @@ TEST(ScheduleLogTest, FirstReadSealsAndLaterReadsAreByteIdentical) {
 
 TEST(ScheduleLogTest, SealsInOrderAndControlReadsNeverSeal) {
   auto log = MakeLog(1, 4);
-  ASSERT_TRUE(log->GetSchedule(2, 0, Soon()).ok());
+  ASSERT_TRUE(log->GetSchedule(2, kGen0, Soon()).ok());
   EXPECT_EQ(log->sealed_step(), 2);
   for (int step = 0; step <= 2; ++step) {
     absl::StatusOr<std::shared_ptr<const SealedSchedule>> s =
@@ -89,19 +91,19 @@ TEST(ScheduleLogTest, SealsInOrderAndControlReadsNeverSeal) {
 
 TEST(ScheduleLogTest, BadReads) {
   auto log = MakeLog(1, 4, nullptr, Policy(), /*units=*/false);
-  EXPECT_EQ(log->GetSchedule(0, 0, Soon()).status().code(),
+  EXPECT_EQ(log->GetSchedule(0, kGen0, Soon()).status().code(),
             absl::StatusCode::kFailedPrecondition);
   ASSERT_TRUE(log->SetUnits(MakeUnits(3)).ok());
   EXPECT_TRUE(log->SetUnits(MakeUnits(3)).ok());
   EXPECT_EQ(log->SetUnits(MakeUnits(4)).code(),
             absl::StatusCode::kFailedPrecondition);
-  EXPECT_EQ(log->GetSchedule(-1, 0, Soon()).status().code(),
+  EXPECT_EQ(log->GetSchedule(-1, kGen0, Soon()).status().code(),
             absl::StatusCode::kInvalidArgument);
 }
 
 TEST(ScheduleLogTest, PolicyChangeLandsOnAnnouncedStep) {
   auto log = MakeLog(1, 8);
-  ASSERT_TRUE(log->GetSchedule(1, 0, Soon()).ok());  // seals 0, 1
+  ASSERT_TRUE(log->GetSchedule(1, kGen0, Soon()).ok());  // seals 0, 1
   absl::StatusOr<PolicyInfo> change =
       log->SetPolicy(P("forward_prefetch_depth: 2"));
   ASSERT_TRUE(change.ok()) << change.status();
@@ -113,8 +115,8 @@ TEST(ScheduleLogTest, PolicyChangeLandsOnAnnouncedStep) {
   ASSERT_TRUE(change.ok());
   EXPECT_EQ(change->version, 3);
   EXPECT_EQ(change->effective_step, 2);
-  absl::StatusOr<ScheduleRead> s1 = log->GetSchedule(1, 0, Soon());
-  absl::StatusOr<ScheduleRead> s2 = log->GetSchedule(2, 0, Soon());
+  absl::StatusOr<ScheduleRead> s1 = log->GetSchedule(1, kGen0, Soon());
+  absl::StatusOr<ScheduleRead> s2 = log->GetSchedule(2, kGen0, Soon());
   ASSERT_TRUE(s1.ok() && s2.ok());
   EXPECT_EQ(s1->sealed->schedule.policy_version(), 1);
   EXPECT_EQ(s1->sealed->schedule.units(0).forward_prefetch_size(), 1);
@@ -135,7 +137,7 @@ TEST(ScheduleLogTest, InvalidPolicyChangesNothing) {
   EXPECT_NE(bad.status().message().find("matches no unit"), std::string::npos);
   EXPECT_EQ(log->CurrentPolicy().version, before.version);
   EXPECT_EQ(log->PolicyHistory().size(), 1u);
-  absl::StatusOr<ScheduleRead> s = log->GetSchedule(0, 0, Soon());
+  absl::StatusOr<ScheduleRead> s = log->GetSchedule(0, kGen0, Soon());
   ASSERT_TRUE(s.ok());
   EXPECT_EQ(s->sealed->schedule.policy_version(), 1);
   // The initial policy is validated too.
@@ -155,7 +157,7 @@ TEST(ScheduleLogTest, InitialPolicyGlobCheckedWhenUnitsArrive) {
             absl::StatusCode::kInvalidArgument);
   // The units were still taken: planning works, the override is inert.
   EXPECT_TRUE(log->has_units());
-  absl::StatusOr<ScheduleRead> s = log->GetSchedule(0, 0, Soon());
+  absl::StatusOr<ScheduleRead> s = log->GetSchedule(0, kGen0, Soon());
   ASSERT_TRUE(s.ok());
   EXPECT_TRUE(s->sealed->schedule.units(1).reshard_after_forward());
 }
@@ -164,18 +166,18 @@ TEST(ScheduleLogTest, ReadAheadWindowWaitsOrRefuses) {
   // world 2, read-ahead 2 -> refuse beyond 4 * 2 = 8 past floor + 1.
   auto log = MakeLog(2, 2);
   ASSERT_TRUE(
-      log->GetSchedule(2, 0, Soon()).ok());  // floor -1: steps 0..2 open
+      log->GetSchedule(2, kGen0, Soon()).ok());  // floor -1: steps 0..2 open
   absl::StatusOr<ScheduleRead> blocked =
-      log->GetSchedule(3, 0, absl::Now() + kShort);
+      log->GetSchedule(3, kGen0, absl::Now() + kShort);
   EXPECT_EQ(blocked.status().code(), absl::StatusCode::kDeadlineExceeded);
-  absl::StatusOr<ScheduleRead> far = log->GetSchedule(9, 0, Soon());
+  absl::StatusOr<ScheduleRead> far = log->GetSchedule(9, kGen0, Soon());
   EXPECT_EQ(far.status().code(), absl::StatusCode::kOutOfRange);
   EXPECT_NE(far.status().message().find("too far ahead"), std::string::npos);
   EXPECT_EQ(log->sealed_step(), 2);
 
   // A blocked read opens once the slowest rank completes step 0.
   absl::StatusOr<ScheduleRead> waited;
-  std::thread reader([&] { waited = log->GetSchedule(3, 0, Soon()); });
+  std::thread reader([&] { waited = log->GetSchedule(3, kGen0, Soon()); });
   absl::SleepFor(absl::Milliseconds(20));
   hsdp::v1::StepReport report;
   report.set_rank(0);
@@ -204,10 +206,10 @@ TEST(ScheduleLogTest, BadReports) {
 
 TEST(ScheduleLogTest, DrainStopsSealing) {
   auto log = MakeLog(1, 2);
-  ASSERT_TRUE(log->GetSchedule(1, 0, Soon()).ok());
+  ASSERT_TRUE(log->GetSchedule(1, kGen0, Soon()).ok());
   // A reader blocked beyond the window is released by the drain.
   absl::StatusOr<ScheduleRead> waiting;
-  std::thread reader([&] { waiting = log->GetSchedule(4, 0, Soon()); });
+  std::thread reader([&] { waiting = log->GetSchedule(4, kGen0, Soon()); });
   absl::SleepFor(absl::Milliseconds(20));
   absl::StatusOr<int64_t> last = log->Drain();
   ASSERT_TRUE(last.ok());
@@ -219,10 +221,10 @@ TEST(ScheduleLogTest, DrainStopsSealing) {
   EXPECT_EQ(*log->Drain(), 2);  // idempotent
   EXPECT_EQ(log->drain_step(), 2);
   // The drain step itself still runs; nothing after it is sealed.
-  absl::StatusOr<ScheduleRead> s2 = log->GetSchedule(2, 0, Soon());
+  absl::StatusOr<ScheduleRead> s2 = log->GetSchedule(2, kGen0, Soon());
   ASSERT_TRUE(s2.ok());
   EXPECT_FALSE(s2->drained);
-  EXPECT_TRUE(log->GetSchedule(3, 0, Soon())->drained);
+  EXPECT_TRUE(log->GetSchedule(3, kGen0, Soon())->drained);
   EXPECT_EQ(log->sealed_step(), 2);
   EXPECT_EQ(log->RequestCheckpoint().status().code(),
             absl::StatusCode::kFailedPrecondition);
@@ -230,12 +232,12 @@ TEST(ScheduleLogTest, DrainStopsSealing) {
 
 TEST(ScheduleLogTest, CheckpointRequestsAndRecords) {
   auto log = MakeLog(2, 4, nullptr, P("checkpoint_interval: 4"));
-  ASSERT_TRUE(log->GetSchedule(0, 0, Soon()).ok());
+  ASSERT_TRUE(log->GetSchedule(0, kGen0, Soon()).ok());
   absl::StatusOr<int64_t> step = log->RequestCheckpoint();
   ASSERT_TRUE(step.ok());
   EXPECT_EQ(*step, 1);
   EXPECT_EQ(*log->RequestCheckpoint(), 1);
-  absl::StatusOr<ScheduleRead> s = log->GetSchedule(3, 0, Soon());
+  absl::StatusOr<ScheduleRead> s = log->GetSchedule(3, kGen0, Soon());
   ASSERT_TRUE(s.ok());
   EXPECT_FALSE((*log->GetSealed(0))->schedule.checkpoint());
   EXPECT_TRUE((*log->GetSealed(1))->schedule.checkpoint());
@@ -256,9 +258,9 @@ TEST(ScheduleLogTest, CheckpointRequestsAndRecords) {
 
 TEST(ScheduleLogTest, ShutdownReleasesReaders) {
   auto log = MakeLog(1, 0);
-  ASSERT_TRUE(log->GetSchedule(0, 0, Soon()).ok());
+  ASSERT_TRUE(log->GetSchedule(0, kGen0, Soon()).ok());
   absl::StatusOr<ScheduleRead> waiting;
-  std::thread reader([&] { waiting = log->GetSchedule(1, 0, Soon()); });
+  std::thread reader([&] { waiting = log->GetSchedule(1, kGen0, Soon()); });
   absl::SleepFor(absl::Milliseconds(20));
   log->Shutdown();
   reader.join();
@@ -280,7 +282,7 @@ TEST(ScheduleLogTest, ConcurrentReadersWithPolicyChanges) {
   for (int rank = 0; rank < kWorld; ++rank) {
     ranks.emplace_back([&, rank] {
       for (int step = 0; step < kSteps; ++step) {
-        absl::StatusOr<ScheduleRead> s = log->GetSchedule(step, 0, Soon());
+        absl::StatusOr<ScheduleRead> s = log->GetSchedule(step, kGen0, Soon());
         if (!s.ok() || s->sealed == nullptr) {
           ++errors;
           return;
@@ -351,9 +353,9 @@ TEST(ScheduleLogTest, RestartServesIdenticalSealedSteps) {
     auto store = StateStore::Open(dir);
     ASSERT_TRUE(store.ok());
     auto log = MakeLog(1, 4, store->get(), P("microbatches: 2"));
-    ASSERT_TRUE(log->GetSchedule(1, 0, Soon()).ok());
+    ASSERT_TRUE(log->GetSchedule(1, kGen0, Soon()).ok());
     ASSERT_TRUE(log->SetPolicy(P("forward_prefetch_depth: 0")).ok());
-    ASSERT_TRUE(log->GetSchedule(3, 0, Soon()).ok());
+    ASSERT_TRUE(log->GetSchedule(3, kGen0, Soon()).ok());
     CompleteAll(*log, 1, 3);
     ASSERT_TRUE(log->RequestCheckpoint().ok());  // step 4
     hsdp::v1::StepReport saved;
@@ -372,7 +374,7 @@ TEST(ScheduleLogTest, RestartServesIdenticalSealedSteps) {
   ASSERT_TRUE(log->SetUnits(MakeUnits(3)).ok());
   EXPECT_EQ(log->sealed_step(), 3);
   for (int step = 0; step <= 3; ++step) {
-    absl::StatusOr<ScheduleRead> s = log->GetSchedule(step, 9, Soon());
+    absl::StatusOr<ScheduleRead> s = log->GetSchedule(step, kGen0, Soon());
     ASSERT_TRUE(s.ok());
     EXPECT_EQ(s->sealed->bytes, before[step]) << step;
   }
@@ -382,7 +384,7 @@ TEST(ScheduleLogTest, RestartServesIdenticalSealedSteps) {
   // The window survives the restart (completed steps are not persisted), and
   // the pending checkpoint request and the persisted policy govern the next
   // step.
-  absl::StatusOr<ScheduleRead> next = log->GetSchedule(4, 9, Soon());
+  absl::StatusOr<ScheduleRead> next = log->GetSchedule(4, kGen0, Soon());
   ASSERT_TRUE(next.ok()) << next.status();
   EXPECT_EQ(next->sealed->schedule.policy_version(), 2);
   EXPECT_EQ(next->sealed->schedule.microbatches_size(),
@@ -405,7 +407,7 @@ TEST(ScheduleLogTest, RestoresUnitsFromStore) {
                   .ok());
   auto log = MakeLog(1, 4, store->get(), Policy(), /*units=*/false);
   EXPECT_TRUE(log->has_units());
-  absl::StatusOr<ScheduleRead> s = log->GetSchedule(0, 0, Soon());
+  absl::StatusOr<ScheduleRead> s = log->GetSchedule(0, kGen0, Soon());
   ASSERT_TRUE(s.ok()) << s.status();
   EXPECT_EQ(s->sealed->schedule.units_size(), 3);
 }

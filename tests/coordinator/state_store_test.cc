@@ -14,9 +14,10 @@ namespace {
 namespace fs = std::filesystem;
 using testing::FreshDir;
 
-std::string StepBytes(int64_t step) {
+std::string StepBytes(int64_t step, int64_t generation = 0) {
   hsdp::v1::StepSchedule schedule;
   schedule.set_step(step);
+  schedule.set_generation(generation);
   schedule.set_policy_version(1);
   schedule.add_units()->set_unit_name("root");
   return schedule.SerializeAsString();
@@ -51,8 +52,8 @@ TEST(StateStoreTest, RoundTripsStateAndSealedSteps) {
                       s->set_drain_step(9);
                     })
                     .ok());
-    ASSERT_TRUE((*store)->SaveSealedStep(0, StepBytes(0)).ok());
-    ASSERT_TRUE((*store)->SaveSealedStep(1, StepBytes(1)).ok());
+    ASSERT_TRUE((*store)->SaveSealedStep(0, 0, StepBytes(0)).ok());
+    ASSERT_TRUE((*store)->SaveSealedStep(1, 0, StepBytes(1)).ok());
   }
   auto store = StateStore::Open(dir);
   ASSERT_TRUE(store.ok()) << store.status();
@@ -65,18 +66,69 @@ TEST(StateStoreTest, RoundTripsStateAndSealedSteps) {
   EXPECT_EQ(state.drain_step(), 9);
   const auto steps = (*store)->SealedSteps();
   ASSERT_EQ(steps.size(), 2u);
-  EXPECT_EQ(steps.at(0), StepBytes(0));
-  EXPECT_EQ(steps.at(1), StepBytes(1));
+  EXPECT_EQ(steps.at({0, 0}), StepBytes(0));
+  EXPECT_EQ(steps.at({1, 0}), StepBytes(1));
+}
+
+// A step sealed again in a later generation is a second record in its own
+// file; both come back, and a file whose name and contents disagree on the
+// generation is DATA_LOSS.
+TEST(StateStoreTest, OneRecordPerStepAndGeneration) {
+  const std::string dir = FreshDir("s");
+  {
+    auto store = StateStore::Open(dir);
+    ASSERT_TRUE(store.ok());
+    ASSERT_TRUE((*store)->SaveSealedStep(7, 0, StepBytes(7, 0)).ok());
+    ASSERT_TRUE((*store)->SaveSealedStep(7, 2, StepBytes(7, 2)).ok());
+    EXPECT_EQ((*store)->SaveSealedStep(7, 2, StepBytes(8, 2)).code(),
+              absl::StatusCode::kFailedPrecondition);
+  }
+  EXPECT_TRUE(fs::exists(fs::path(dir) / "steps" / "000000000007.binpb"));
+  EXPECT_TRUE(fs::exists(fs::path(dir) / "steps" / "000000000007-g2.binpb"));
+  auto store = StateStore::Open(dir);
+  ASSERT_TRUE(store.ok()) << store.status();
+  const auto steps = (*store)->SealedSteps();
+  ASSERT_EQ(steps.size(), 2u);
+  EXPECT_EQ(steps.at({7, 0}), StepBytes(7, 0));
+  EXPECT_EQ(steps.at({7, 2}), StepBytes(7, 2));
+  WriteRaw(fs::path(dir) / "steps" / "000000000009-g3.binpb", StepBytes(9, 4));
+  EXPECT_EQ(StateStore::Open(dir).status().code(), absl::StatusCode::kDataLoss);
+}
+
+TEST(StateStoreTest, CommitPointRoundTrips) {
+  const std::string dir = FreshDir("s");
+  {
+    auto store = StateStore::Open(dir);
+    ASSERT_TRUE(store.ok());
+    EXPECT_FALSE((*store)->commit_point().has_value());
+    state::CommitPoint point;
+    point.set_generation(3);
+    point.set_step(41);
+    point.set_committed_in_generation(5);
+    ASSERT_TRUE((*store)->SaveCommitPoint(point).ok());
+    point.set_step(42);
+    point.set_committed_in_generation(6);
+    ASSERT_TRUE((*store)->SaveCommitPoint(point).ok());
+  }
+  auto store = StateStore::Open(dir);
+  ASSERT_TRUE(store.ok());
+  ASSERT_TRUE((*store)->commit_point().has_value());
+  EXPECT_EQ((*store)->commit_point()->generation(), 3);
+  EXPECT_EQ((*store)->commit_point()->step(), 42);
+  EXPECT_EQ((*store)->commit_point()->committed_in_generation(), 6);
+  WriteRaw(fs::path(dir) / "commit.binpb", std::string("\x0a\x05"
+                                                       "ab"));  // truncated
+  EXPECT_EQ(StateStore::Open(dir).status().code(), absl::StatusCode::kDataLoss);
 }
 
 TEST(StateStoreTest, SealedStepsAreImmutable) {
   auto store = StateStore::Open(FreshDir("s"));
   ASSERT_TRUE(store.ok());
-  ASSERT_TRUE((*store)->SaveSealedStep(4, StepBytes(4)).ok());
-  EXPECT_TRUE((*store)->SaveSealedStep(4, StepBytes(4)).ok());
-  EXPECT_EQ((*store)->SaveSealedStep(4, StepBytes(5)).code(),
+  ASSERT_TRUE((*store)->SaveSealedStep(4, 0, StepBytes(4)).ok());
+  EXPECT_TRUE((*store)->SaveSealedStep(4, 0, StepBytes(4)).ok());
+  EXPECT_EQ((*store)->SaveSealedStep(4, 0, StepBytes(5)).code(),
             absl::StatusCode::kFailedPrecondition);
-  EXPECT_EQ((*store)->SealedSteps().at(4), StepBytes(4));
+  EXPECT_EQ((*store)->SealedSteps().at({4, 0}), StepBytes(4));
 }
 
 // A crash mid-write leaves "<file>.tmp" behind; the previous contents must win.
@@ -87,7 +139,7 @@ TEST(StateStoreTest, IgnoresHalfWrittenTempFilesAfterCrash) {
     ASSERT_TRUE(store.ok());
     ASSERT_TRUE(
         (*store)->Update([](PersistedState* s) { s->set_generation(7); }).ok());
-    ASSERT_TRUE((*store)->SaveSealedStep(0, StepBytes(0)).ok());
+    ASSERT_TRUE((*store)->SaveSealedStep(0, 0, StepBytes(0)).ok());
   }
   const std::string half = StepBytes(1).substr(0, 3);
   WriteRaw(fs::path(dir) / "state.binpb.tmp", "\x10\x63garbage-half-written");
@@ -100,8 +152,8 @@ TEST(StateStoreTest, IgnoresHalfWrittenTempFilesAfterCrash) {
   EXPECT_FALSE(fs::exists(fs::path(dir) / "state.binpb.tmp"));
   EXPECT_FALSE(fs::exists(fs::path(dir) / "steps" / "000000000001.binpb.tmp"));
   // The store keeps working after the recovery.
-  ASSERT_TRUE((*store)->SaveSealedStep(1, StepBytes(1)).ok());
-  EXPECT_EQ((*store)->SealedSteps().at(1), StepBytes(1));
+  ASSERT_TRUE((*store)->SaveSealedStep(1, 0, StepBytes(1)).ok());
+  EXPECT_EQ((*store)->SealedSteps().at({1, 0}), StepBytes(1));
 }
 
 TEST(StateStoreTest, CorruptFilesAreDataLoss) {

@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "worker/agent/agent_internal.h"
 
 namespace hsdp::agent {
 namespace {
@@ -25,25 +26,6 @@ constexpr int kDefaultHeartbeatMs = 1000;
 // on idle channels.
 constexpr int kKeepaliveTimeMs = 10000;
 constexpr int kKeepaliveTimeoutMs = 5000;
-
-// Codes worth another attempt: the coordinator is down, restarting, or shedding
-// load.
-bool IsTransient(absl::StatusCode code) {
-  return code == absl::StatusCode::kUnavailable ||
-         code == absl::StatusCode::kAborted ||
-         code == absl::StatusCode::kResourceExhausted;
-}
-
-// Codes a restarted coordinator returns for a worker it no longer knows.
-bool IsMembershipLoss(absl::StatusCode code) {
-  return code == absl::StatusCode::kNotFound ||
-         code == absl::StatusCode::kFailedPrecondition;
-}
-
-void SetDeadline(grpc::ClientContext& ctx, absl::Duration timeout) {
-  ctx.set_deadline(std::chrono::system_clock::now() +
-                   absl::ToChronoMilliseconds(timeout));
-}
 
 }  // namespace
 
@@ -78,50 +60,8 @@ Agent::~Agent() {
     for (grpc::ClientContext* ctx : in_flight_) ctx->TryCancel();
   }
   if (heartbeat_.joinable()) heartbeat_.join();
+  if (watcher_.joinable()) watcher_.join();
   if (prefetch_.valid()) prefetch_.wait();
-}
-
-template <typename Fn>
-absl::Status Agent::CallWithRetry(const std::string& what,
-                                  absl::Duration attempt_timeout, Fn attempt) {
-  absl::Duration backoff = options_.initial_backoff;
-  std::optional<absl::Time> first_failure;
-  while (true) {
-    grpc::ClientContext ctx;
-    SetDeadline(ctx, attempt_timeout);
-    {
-      // Registered so the destructor can cancel a long poll instead of waiting
-      // it out.
-      absl::MutexLock lock(&mu_);
-      if (stop_)
-        return absl::CancelledError(
-            absl::StrCat(what, ": agent shutting down"));
-      in_flight_.insert(&ctx);
-    }
-    absl::Status status = FromGrpc(attempt(ctx), what);
-    {
-      absl::MutexLock lock(&mu_);
-      in_flight_.erase(&ctx);
-    }
-    if (status.ok() || !IsTransient(status.code())) return status;
-    const absl::Time now = absl::Now();
-    if (!first_failure) first_failure = now;
-    if (now - *first_failure >= options_.retry_budget) {
-      return absl::UnavailableError(absl::StrCat(
-          "coordinator ", options_.coordinator, " unreachable for ",
-          absl::FormatDuration(options_.retry_budget), " (", status.message(),
-          ")"));
-    }
-    {
-      // Sleep, but wake early when the agent is being destroyed.
-      absl::MutexLock lock(&mu_);
-      if (mu_.AwaitWithTimeout(absl::Condition(&stop_), backoff)) {
-        return absl::CancelledError(
-            absl::StrCat(what, ": agent shutting down"));
-      }
-    }
-    backoff = std::min(backoff * 2, options_.max_backoff);
-  }
 }
 
 hsdp::v1::JoinRequest Agent::MakeJoinRequest(
@@ -147,8 +87,29 @@ absl::StatusOr<hsdp::v1::JoinResponse> Agent::Join() {
   if (!s.ok()) return s;
   absl::MutexLock lock(&mu_);
   join_ = resp;
+  membership_ = absl::OkStatus();
+  watched_.reset();
   ++join_epoch_;
   return resp;
+}
+
+void Agent::AdoptGenerationLocked(const hsdp::v1::Generation& g) {
+  int rank = -1;
+  for (int r = 0; r < g.worker_ids_size(); ++r) {
+    if (g.worker_ids(r) == join_.worker_id()) rank = r;
+  }
+  const int shard = std::max(1, g.mesh().shard());
+  join_.set_rank(rank);
+  join_.set_world_size(g.worker_ids_size());
+  *join_.mutable_mesh() = g.mesh();
+  join_.set_replicate_index(rank >= 0 ? rank / shard : -1);
+  join_.set_shard_index(rank >= 0 ? rank % shard : -1);
+  join_.set_generation(g.generation());
+  join_.set_rendezvous_prefix(g.rendezvous_prefix());
+  join_.set_worker_state(rank >= 0 ? hsdp::v1::WORKER_STATE_ALIVE
+                                   : hsdp::v1::WORKER_STATE_STANDBY);
+  *join_.mutable_generation_info() = g;
+  membership_ = absl::OkStatus();
 }
 
 int64_t Agent::join_epoch() const {
@@ -158,28 +119,40 @@ int64_t Agent::join_epoch() const {
 
 absl::Status Agent::Rejoin(int64_t seen_epoch) {
   absl::MutexLock rejoin_lock(&rejoin_mu_);
-  int64_t old_generation;
+  int64_t old_generation, old_worker_id;
   int old_rank;
   {
     absl::MutexLock lock(&mu_);
     if (join_epoch_ != seen_epoch) return membership_;
     old_generation = join_.generation();
     old_rank = join_.rank();
+    old_worker_id = join_.worker_id();
   }
-  const hsdp::v1::JoinRequest req = MakeJoinRequest(old_rank);
+  // Back as the same worker; a coordinator that lost its state does not know
+  // the id (NOT_FOUND): then by rank hint, as a client without ids would.
+  hsdp::v1::JoinRequest req = MakeJoinRequest(old_rank);
+  req.set_worker_id(old_worker_id);
   hsdp::v1::JoinResponse resp;
-  absl::Status s = CallWithRetry(
-      "Join (after coordinator restart)", options_.rpc_timeout,
-      [&](grpc::ClientContext& ctx) { return stub_->Join(&ctx, req, &resp); });
+  auto join = [&](grpc::ClientContext& ctx) {
+    return stub_->Join(&ctx, req, &resp);
+  };
+  absl::Status s = CallWithRetry("Join (after coordinator restart)",
+                                 options_.rpc_timeout, join);
+  if (s.code() == absl::StatusCode::kNotFound && old_worker_id != 0) {
+    req.clear_worker_id();
+    s = CallWithRetry("Join (after coordinator restart)", options_.rpc_timeout,
+                      join);
+  }
   if (!s.ok()) return s;
   absl::MutexLock lock(&mu_);
-  if (resp.rank() != join_.rank() || resp.generation() != old_generation) {
+  if (resp.rank() != old_rank || resp.generation() != old_generation) {
     membership_ = absl::AbortedError(absl::StrCat(
         "re-joined the restarted coordinator as rank ", resp.rank(),
-        " generation ", resp.generation(), ", was rank ", join_.rank(),
-        " generation ", old_generation, "; restart the worker"));
+        " generation ", resp.generation(), ", was rank ", old_rank,
+        " generation ", old_generation, ": re-form"));
     return membership_;
   }
+  join_.set_worker_id(resp.worker_id());
   ++join_epoch_;
   return absl::OkStatus();
 }
@@ -200,29 +173,43 @@ void Agent::HeartbeatLoop() {
   }
   while (true) {
     hsdp::v1::HeartbeatRequest req;
+    bool member;
     {
       absl::MutexLock lock(&mu_);
       if (mu_.AwaitWithTimeout(absl::Condition(&stop_), interval)) return;
       req.set_job_id(options_.job_id);
       req.set_rank(join_.rank());
       req.set_generation(join_.generation());
+      req.set_worker_id(join_.worker_id());
+      member = join_.rank() >= 0;
     }
     req.set_step(current_step_.load());
     const int64_t epoch = join_epoch();
     // One attempt per period: a missed heartbeat is simply retried next period,
     // so the thread never blocks the destructor for a whole retry budget.
     grpc::ClientContext ctx;
-    SetDeadline(ctx, std::min(options_.rpc_timeout, interval * 2));
+    internal::SetDeadline(ctx, std::min(options_.rpc_timeout, interval * 2));
     hsdp::v1::HeartbeatResponse resp;
     absl::Status s = FromGrpc(stub_->Heartbeat(&ctx, req, &resp), "Heartbeat");
     if (s.ok()) {
       absl::MutexLock lock(&mu_);
-      if (resp.generation() != join_.generation() && membership_.ok()) {
+      if (!membership_.ok() || req.generation() != join_.generation()) {
+        // Already told, or the training thread moved on meanwhile.
+      } else if (resp.job_state() == hsdp::v1::JOB_STATE_FAILED ||
+                 resp.worker_state() == hsdp::v1::WORKER_STATE_EVICTED) {
+        membership_ = absl::FailedPreconditionError(absl::StrCat(
+            resp.job_state() == hsdp::v1::JOB_STATE_FAILED ? "the job failed"
+                                                           : "evicted",
+            ": ", resp.message()));
+      } else if (member &&
+                 (resp.generation() != join_.generation() ||
+                  resp.job_state() == hsdp::v1::JOB_STATE_REFORMING)) {
         membership_ = absl::AbortedError(absl::StrCat(
-            "job generation changed from ", join_.generation(), " to ",
-            resp.generation(), " (a worker was lost); stopping"));
+            "generation ", join_.generation(),
+            " ended (the job is at generation ", resp.generation(), ", ",
+            hsdp::v1::JobState_Name(resp.job_state()), "): re-form"));
       }
-    } else if (IsMembershipLoss(s.code())) {
+    } else if (internal::IsMembershipLoss(s.code())) {
       // Coordinator restarted without this worker: re-join in the background so
       // the training thread's next call finds the membership back.
       Rejoin(epoch).IgnoreError();
@@ -233,8 +220,13 @@ void Agent::HeartbeatLoop() {
 absl::StatusOr<hsdp::v1::GetScheduleResponse> Agent::FetchSchedule(
     int64_t step) {
   hsdp::v1::GetScheduleRequest req;
+  {
+    absl::MutexLock lock(&mu_);
+    req.set_rank(join_.rank());
+    req.set_worker_id(join_.worker_id());
+    req.set_generation(join_.generation());
+  }
   req.set_job_id(options_.job_id);
-  req.set_rank(rank());
   req.set_step(step);
   hsdp::v1::GetScheduleResponse resp;
   const std::string what = absl::StrCat("GetSchedule(step ", step, ")");
@@ -251,7 +243,8 @@ absl::StatusOr<hsdp::v1::GetScheduleResponse> Agent::FetchSchedule(
                         });
     } while (s.code() == absl::StatusCode::kDeadlineExceeded);
     if (s.ok()) return resp;
-    if (!IsMembershipLoss(s.code()) || rejoins >= kMaxRejoins) return s;
+    if (!internal::IsMembershipLoss(s.code()) || rejoins >= kMaxRejoins)
+      return s;
     if (absl::Status r = Rejoin(epoch); !r.ok()) return r;
   }
 }
@@ -259,7 +252,9 @@ absl::StatusOr<hsdp::v1::GetScheduleResponse> Agent::FetchSchedule(
 absl::StatusOr<hsdp::v1::GetScheduleResponse> Agent::GetSchedule(
     int64_t step, int64_t last_step) {
   absl::StatusOr<hsdp::v1::GetScheduleResponse> result;
-  if (prefetch_.valid() && prefetch_step_ == step) {
+  const int64_t current = generation();
+  if (prefetch_.valid() && prefetch_step_ == step &&
+      prefetch_generation_ == current) {
     result = prefetch_.get();
   } else {
     if (prefetch_.valid())
@@ -270,6 +265,7 @@ absl::StatusOr<hsdp::v1::GetScheduleResponse> Agent::GetSchedule(
   prefetch_step_ = -1;
   if (result.ok() && !result->drained() && step + 1 <= last_step) {
     prefetch_step_ = step + 1;
+    prefetch_generation_ = current;
     prefetch_ = std::async(std::launch::async, [this, next = step + 1] {
       return FetchSchedule(next);
     });
@@ -282,6 +278,12 @@ absl::Status Agent::ReportStep(const hsdp::v1::StepReport& report,
   hsdp::v1::ReportStepRequest req;
   req.set_job_id(options_.job_id);
   *req.mutable_report() = report;
+  {
+    absl::MutexLock lock(&mu_);
+    req.mutable_report()->set_worker_id(join_.worker_id());
+    req.mutable_report()->set_generation(join_.generation());
+    if (join_.rank() >= 0) req.mutable_report()->set_rank(join_.rank());
+  }
   req.set_finished(finished);
   hsdp::v1::ReportStepResponse resp;
   const std::string what = absl::StrCat("ReportStep(step ", report.step(), ")");
@@ -290,7 +292,7 @@ absl::Status Agent::ReportStep(const hsdp::v1::StepReport& report,
       CallWithRetry(what, options_.rpc_timeout, [&](grpc::ClientContext& ctx) {
         return stub_->ReportStep(&ctx, req, &resp);
       });
-  if (IsMembershipLoss(s.code())) {
+  if (internal::IsMembershipLoss(s.code())) {
     if (absl::Status r = Rejoin(epoch); !r.ok()) return r;
     s = CallWithRetry(what, options_.rpc_timeout,
                       [&](grpc::ClientContext& ctx) {
@@ -369,6 +371,16 @@ int Agent::rank() const {
 int64_t Agent::generation() const {
   absl::MutexLock lock(&mu_);
   return join_.generation();
+}
+
+int64_t Agent::worker_id() const {
+  absl::MutexLock lock(&mu_);
+  return join_.worker_id();
+}
+
+hsdp::v1::Generation Agent::generation_info() const {
+  absl::MutexLock lock(&mu_);
+  return join_.generation_info();
 }
 
 hsdp::v1::JoinResponse Agent::join_response() const {

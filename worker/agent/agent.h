@@ -2,24 +2,38 @@
 //
 // Join, a heartbeat on its own thread, schedule fetches with the next step
 // prefetched in the background (so no RPC sits on the training critical path),
-// step reports, and the rendezvous key-value RPCs used by CoordinatorStore.
+// step reports, the rendezvous key-value RPCs used by CoordinatorStore, and
+// the elastic protocol (worker/agent/ELASTIC.md): AwaitGeneration, CommitStep,
+// ReportFailure and a generation watcher that tells the training thread's
+// owner, from its own thread, that the generation ended.
 //
-// Coordinator restarts: every call retries UNAVAILABLE (and the other transient
-// codes listed in agent.cc) with exponential backoff until `retry_budget` has
-// passed since the first failure, so a coordinator that comes back on its state
-// directory within the budget loses no step. If the restarted coordinator no
-// longer knows this worker (NOT_FOUND / FAILED_PRECONDITION on a membership
-// call) the agent re-joins with its old rank as the hint and insists on the
-// same generation: anything else means the communicators are stale, which is
-// reported, not hidden.
+// What a status code means to the caller (the retry rules):
+// - UNAVAILABLE, RESOURCE_EXHAUSTED: retried with exponential backoff until
+//   `retry_budget` has passed since the first failure, so a coordinator that
+//   comes back on its state directory within the budget loses no step.
+// - ABORTED: never retried; it has one meaning: this worker's generation
+//   ended — abort the communicators, AwaitGeneration, re-form.
+// - DEADLINE_EXCEEDED from a long poll (GetSchedule, AwaitGeneration,
+//   CommitStep, store waits): nothing changed yet; polled again until the
+//   caller's own bound.
+// - NOT_FOUND / FAILED_PRECONDITION on a membership call: the coordinator may
+//   have restarted without this worker: the agent re-joins once with its
+//   worker id (or, if the coordinator lost its state, with its old rank as
+//   the hint) and insists on the same rank and generation; anything else
+//   means the communicators are stale and is reported as ABORTED. A worker
+//   the coordinator declared lost gets FAILED_PRECONDITION: join again (Join)
+//   as a new worker.
 //
-// Thread-safety: all public methods are thread-safe. The heartbeat thread and
-// at most one prefetch are owned by the Agent and stopped by its destructor.
+// Thread-safety: all public methods are thread-safe. GetSchedule,
+// AwaitGeneration and CommitStep belong to the training thread (one caller).
+// The heartbeat thread, the watcher thread and at most one prefetch are owned
+// by the Agent and stopped by its destructor.
 #ifndef HSDP_WORKER_AGENT_AGENT_H_
 #define HSDP_WORKER_AGENT_AGENT_H_
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <future>
 #include <memory>
 #include <optional>
@@ -59,6 +73,8 @@ struct AgentOptions {
   // Deadline of one GetSchedule long-poll attempt (the coordinator holds a call
   // while the step is beyond its read-ahead window).
   absl::Duration schedule_poll_timeout = absl::Seconds(30);
+  // Deadline of one AwaitGeneration / CommitStep long-poll attempt.
+  absl::Duration long_poll_timeout = absl::Seconds(30);
 };
 
 // Converts a gRPC status to an absl::Status with the same code, prefixing
@@ -73,8 +89,10 @@ class Agent {
   Agent(const Agent&) = delete;
   Agent& operator=(const Agent&) = delete;
 
-  // Joins the job (with retries). On success the agent knows its rank and
-  // generation.
+  // Joins the job as a new worker (with retries): a new worker id. A member
+  // of the first generation learns its rank and generation at once; a worker
+  // joining a running job (worker_state JOINING) waits in AwaitGeneration.
+  // Call again after FAILED_PRECONDITION "declared lost".
   absl::StatusOr<hsdp::v1::JoinResponse> Join();
   // Starts the heartbeat thread (interval from the JoinResponse). Call after
   // Join.
@@ -97,12 +115,47 @@ class Agent {
   absl::Status StoreWait(const std::vector<std::string>& keys,
                          absl::Duration timeout);
 
+  // --- Elastic protocol (worker/agent/ELASTIC.md).
+
+  // The next answer about this worker's generation after `known_generation`
+  // (its own, or the one it stands by in; -1: none): ENDED, FORMED, STANDBY
+  // or EXIT. A call while the generation ends confirms this worker is alive.
+  // FORMED makes the new generation the agent's (rank, rendezvous prefix and
+  // generation of every later call). Polls until `timeout`
+  // (DEADLINE_EXCEEDED: nothing changed). Returns at once an answer the
+  // generation watcher already got.
+  absl::StatusOr<hsdp::v1::AwaitGenerationResponse> AwaitGeneration(
+      int64_t known_generation, absl::Duration timeout);
+
+  // A collective of this worker's generation failed at `step` (-1: outside a
+  // step): ends the generation at once. True when this report ended it.
+  absl::StatusOr<bool> ReportFailure(int64_t step, const std::string& detail);
+
+  // Votes to commit `step` of this worker's generation, after its backward
+  // and collectives and before its optimizer step. Blocks until every member
+  // voted: OK means apply the step (reform_after: then AwaitGeneration
+  // instead of the next step); ABORTED means the generation ended first:
+  // discard the step's gradients, it is trained again.
+  absl::StatusOr<hsdp::v1::CommitStepResponse> CommitStep(int64_t step);
+
+  // Starts a thread that long-polls the coordinator while this worker is a
+  // member and calls `on_end` (on that thread) once per generation when it
+  // ends — before the next one is formed — so the owner can Abort the
+  // communicators a training thread may be blocked in. The thread then
+  // confirms this worker at once and keeps the answer for AwaitGeneration.
+  // `on_end` gets ABORTED naming the generation (or the error that stopped
+  // the watch, e.g. FAILED_PRECONDITION "declared lost"). Call at most once.
+  void StartGenerationWatch(std::function<void(const absl::Status&)> on_end);
+
   int rank() const;
   int64_t generation() const;
+  int64_t worker_id() const;
+  // The agent's generation (set by Join when a member, and by FORMED answers).
+  hsdp::v1::Generation generation_info() const;
   hsdp::v1::JoinResponse join_response() const;
-  // Non-OK once a heartbeat saw a different generation (a worker was lost): the
-  // job's collectives can no longer complete and the trainer should stop with
-  // this error.
+  // Non-OK once a heartbeat saw this worker's generation end (ABORTED: re-form;
+  // or FAILED_PRECONDITION when the job failed or the worker was evicted). A
+  // trainer that does not re-form stops with this error.
   absl::Status membership_status() const;
 
  private:
@@ -126,6 +179,13 @@ class Agent {
   absl::Status Rejoin(int64_t seen_epoch);
   int64_t join_epoch() const;
   void HeartbeatLoop();
+  void WatchLoop(std::function<void(const absl::Status&)> on_end);
+  // One AwaitGeneration RPC attempt series (retries, no re-poll).
+  absl::StatusOr<hsdp::v1::AwaitGenerationResponse> AwaitOnce(
+      int64_t known_generation, absl::Duration timeout);
+  // Makes `g` the agent's generation (join_ fields). Caller holds mu_.
+  void AdoptGenerationLocked(const hsdp::v1::Generation& g)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const AgentOptions options_;
   std::unique_ptr<hsdp::v1::CoordinatorService::Stub> stub_;
@@ -143,12 +203,20 @@ class Agent {
   // while waiting).
   absl::Mutex rejoin_mu_;
 
+  // The watcher's latest answer after the agent's generation ended (an
+  // outcome other than ENDED), for AwaitGeneration.
+  std::optional<hsdp::v1::AwaitGenerationResponse> watched_
+      ABSL_GUARDED_BY(mu_);
+
   // Prefetch of the next schedule; touched only by the thread calling
-  // GetSchedule (documented single-consumer use), so it needs no lock.
+  // GetSchedule (documented single-consumer use), so it needs no lock. A
+  // prefetch of another generation is discarded.
   int64_t prefetch_step_ = -1;
+  int64_t prefetch_generation_ = -1;
   std::future<absl::StatusOr<hsdp::v1::GetScheduleResponse>> prefetch_;
 
   std::thread heartbeat_;
+  std::thread watcher_;
 };
 
 }  // namespace hsdp::agent

@@ -100,6 +100,42 @@ std::unique_ptr<Work> Communicator::ReduceScatterSegments(
   return Unsupported(*this, "ReduceScatterSegments");
 }
 
+std::unique_ptr<Work> Communicator::SendRecv(const std::vector<PeerTransfer>&,
+                                             const std::vector<PeerTransfer>&) {
+  return Unsupported(*this, "SendRecv");
+}
+
+absl::Status Communicator::Abort(absl::string_view) {
+  return absl::UnimplementedError(
+      absl::StrCat("Abort is not supported by ", name()));
+}
+
+absl::Status CheckSendRecv(const std::string& where,
+                           const std::vector<Communicator::PeerTransfer>& sends,
+                           const std::vector<Communicator::PeerTransfer>& recvs,
+                           int rank, int size) {
+  for (const auto* list : {&sends, &recvs}) {
+    const char* kind = list == &sends ? "send" : "receive";
+    for (size_t i = 0; i < list->size(); ++i) {
+      const Communicator::PeerTransfer& t = (*list)[i];
+      if (t.peer < 0 || t.peer >= size || t.peer == rank) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(where, ": ", kind, " ", i, " names peer ", t.peer,
+                         " (ranks are [0, ", size, "), this is ", rank, ")"));
+      }
+      for (size_t k = 0; k < t.buffers.size(); ++k) {
+        const Buffer& b = t.buffers[k];
+        if (b.count < 0 || (b.count > 0 && b.data == nullptr)) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              where, ": ", kind, " ", i, " buffer ", k, " (", b.count, " ",
+              DataTypeName(b.dtype), ") has no memory"));
+        }
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
 size_t ElementSize(DataType dtype) {
   switch (dtype) {
     case DataType::kFloat32:

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 
 namespace hsdp::comm {
@@ -120,6 +121,36 @@ class Communicator {
       const std::vector<Buffer>& outputs, const Buffer& scratch, ReduceOp op);
   virtual std::unique_ptr<Work> Broadcast(const Buffer& buffer, int root) = 0;
   virtual std::unique_ptr<Work> Barrier() = 0;
+
+  // Point-to-point transfers, for callers that move different data between
+  // different pairs at once (healing a rank from several peers). Only called
+  // when SupportsSendRecv(); the default returns UNIMPLEMENTED. This rank sends
+  // every `sends[i]` to its peer and receives every `recvs[j]` from its peer;
+  // buffer k of a send pairs with buffer k of the peer's matching receive
+  // (same byte size), and several transfers between one pair match in list
+  // order. Like a collective, every rank of the communicator issues it in the
+  // same order as its other calls (with empty lists when it moves nothing).
+  // The Work completes when all of this rank's transfers did.
+  struct PeerTransfer {
+    int peer = 0;
+    std::vector<Buffer> buffers;
+  };
+  virtual bool SupportsSendRecv() const { return false; }
+  virtual std::unique_ptr<Work> SendRecv(
+      const std::vector<PeerTransfer>& sends,
+      const std::vector<PeerTransfer>& recvs);
+
+  // Fails this communicator for good, from any thread — e.g. the thread that
+  // learned from the coordinator that the generation ended while the training
+  // thread is blocked in a collective on a dead peer. The collective running
+  // and every queued or later one complete with ABORTED naming `reason`;
+  // peers blocked on this rank fail promptly too (its connections close).
+  // When Abort returns OK, no collective touches the callers' buffers any
+  // more, so they may be freed. Idempotent. Build a new communicator (a new
+  // rendezvous prefix) to communicate again. UNIMPLEMENTED when the backend
+  // cannot abort; DEADLINE_EXCEEDED when the running collective did not stop
+  // within the backend's timeout (its buffers must then stay alive).
+  virtual absl::Status Abort(absl::string_view reason);
 };
 
 // For backends: walks the concatenation of `segments` (byte offsets).
@@ -156,6 +187,11 @@ absl::Status CheckAllGatherSegments(
 absl::Status CheckReduceScatterSegments(
     const std::string& where, const std::vector<std::vector<Buffer>>& inputs,
     const std::vector<Buffer>& outputs, int rank, int size);
+// Peers in range and not this rank, buffers with memory.
+absl::Status CheckSendRecv(const std::string& where,
+                           const std::vector<Communicator::PeerTransfer>& sends,
+                           const std::vector<Communicator::PeerTransfer>& recvs,
+                           int rank, int size);
 
 }  // namespace hsdp::comm
 

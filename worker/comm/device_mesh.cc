@@ -46,6 +46,12 @@ DeviceMesh::DeviceMesh(MeshShape shape, int rank,
       shard_(std::move(shard)),
       replicate_(std::move(replicate)) {}
 
+absl::Status DeviceMesh::Abort(absl::string_view reason) const {
+  const absl::Status shard = shard_->Abort(reason);
+  const absl::Status replicate = replicate_->Abort(reason);
+  return shard.ok() ? replicate : shard;
+}
+
 absl::StatusOr<std::unique_ptr<DeviceMesh>> DeviceMesh::Create(
     const MeshShape& shape, int rank, const std::string& prefix,
     const CommunicatorFactory& factory) {

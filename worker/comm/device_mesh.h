@@ -58,7 +58,7 @@ CommunicatorFactory GlooCommunicatorFactory(
         on_tcp_only = nullptr);
 
 // Immutable after Create; the communicators follow the Communicator
-// thread-safety rules.
+// thread-safety rules (Abort may come from any thread).
 class DeviceMesh {
  public:
   // Builds this rank's groups with `factory`; group prefixes are
@@ -85,6 +85,13 @@ class DeviceMesh {
 
   Communicator& shard() const { return *shard_; }
   Communicator& replicate() const { return *replicate_; }
+
+  // Aborts both communicators (Communicator::Abort), from any thread: the
+  // collectives of this mesh that are running or issued later fail with
+  // ABORTED. Returns the first error. The mesh is dead afterwards: destroy it
+  // and create the next generation's under a new prefix (any shape; in the
+  // same process, on the same or a new Gloo device).
+  absl::Status Abort(absl::string_view reason) const;
 
   // The group specs this rank belongs to (also what the factory received).
   static GroupSpec ShardGroup(const MeshShape& shape, int rank,

@@ -1,17 +1,27 @@
 #include "worker/comm/gloo_communicator.h"
 
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <deque>
 #include <exception>
+#include <set>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
 #include "gloo/allgather.h"
 #include "gloo/allreduce.h"
 #include "gloo/alltoall.h"
@@ -21,6 +31,7 @@
 #include "gloo/rendezvous/context.h"
 #include "gloo/transport/address.h"
 #include "gloo/transport/pair.h"
+#include "gloo/transport/tcp/address.h"
 #include "gloo/transport/tcp/device.h"
 #include "gloo/transport/unbound_buffer.h"
 #include "gloo/types.h"
@@ -66,6 +77,57 @@ SegmentSplit SplitSegments(const std::vector<Buffer>& segments) {
 // Slot prefix of the segment collectives' point-to-point messages; Gloo's own
 // algorithms use other prefixes, and the tag (issue counter) separates calls.
 constexpr uint8_t kSegmentSlotPrefix = 0x5e;
+// Slot prefix of SendRecv's messages.
+constexpr uint8_t kSendRecvSlotPrefix = 0x5f;
+
+// Abort() unblocks a collective stuck in Gloo by shutting down (both ways)
+// the TCP sockets of this rank's pairs: the device thread then reads EOF, and
+// Gloo's own connection-lost path fails every pending operation of the pair
+// (waking the blocked waiter) and closes it; the peer reads EOF too and fails
+// at once. Debian's Gloo (2022-05) offers no public abort that wakes a local
+// waiter: Context::closeConnections() and Pair::close() close the sockets
+// without failing the pending operations (a local wait runs into its
+// timeout), UnboundBuffer::abortWaitRecv/abortWaitSend reach only buffers the
+// caller created (Gloo's algorithms create theirs inside), and the path Gloo
+// takes on an application timeout (tcp::Pair::signalExceptionExternal) is
+// protected, in a header whose include (gloo/common/memory.h) is missing from
+// the package. The sockets are found among /proc/self/fd by both ends'
+// addresses, checked on a dup()ed descriptor, so a number reused meanwhile is
+// never shut down by mistake.
+//
+using SocketEnds = std::pair<std::string, std::string>;
+
+// Shuts down every socket whose (local, remote) address pair, in Gloo's
+// Address::str() form, is in `ends`; returns those it shut down.
+std::set<SocketEnds> ShutdownSockets(const std::set<SocketEnds>& ends) {
+  std::set<SocketEnds> found;
+  DIR* dir = opendir("/proc/self/fd");
+  if (dir == nullptr) return found;
+  while (const dirent* entry = readdir(dir)) {
+    int fd = -1;
+    if (!absl::SimpleAtoi(entry->d_name, &fd) || fd == dirfd(dir)) continue;
+    const int own = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    if (own < 0) continue;
+    struct stat st;
+    sockaddr_storage addr;
+    socklen_t len = sizeof(addr);
+    if (fstat(own, &st) == 0 && S_ISSOCK(st.st_mode) &&
+        getsockname(own, reinterpret_cast<sockaddr*>(&addr), &len) == 0 &&
+        (addr.ss_family == AF_INET || addr.ss_family == AF_INET6)) {
+      len = sizeof(addr);
+      if (getpeername(own, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
+        SocketEnds key(gloo::transport::tcp::Address::fromSockName(own).str(),
+                       gloo::transport::tcp::Address::fromPeerName(own).str());
+        if (ends.count(key) > 0 && shutdown(own, SHUT_RDWR) == 0) {
+          found.insert(std::move(key));
+        }
+      }
+    }
+    close(own);
+  }
+  closedir(dir);
+  return found;
+}
 
 // Gloo's tcp transport says this when a send/recv did not complete within the
 // timeout.
@@ -203,6 +265,24 @@ struct GlooCommunicator::Core {
   // Unbound buffers of a failed segment collective: Gloo may still hold
   // pointers to them, so they live as long as the (broken) communicator.
   std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>> orphans;
+
+  // Set once by Abort(); read by the failing collective to report ABORTED.
+  // Thread-safe.
+  void SetAborted(absl::string_view reason) {
+    absl::MutexLock lock(&abort_mu);
+    if (!aborted) {
+      aborted = true;
+      abort_reason = std::string(reason);
+    }
+  }
+  bool IsAborted(std::string* reason) const {
+    absl::MutexLock lock(&abort_mu);
+    if (aborted && reason != nullptr) *reason = abort_reason;
+    return aborted;
+  }
+  mutable absl::Mutex abort_mu;
+  bool aborted ABSL_GUARDED_BY(abort_mu) = false;
+  std::string abort_reason ABSL_GUARDED_BY(abort_mu);
 };
 
 namespace {
@@ -215,9 +295,9 @@ class PointToPoint {
   PointToPoint(
       gloo::Context& context, uint32_t tag,
       std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>>& orphans,
-      absl::Duration timeout)
+      absl::Duration timeout, uint8_t slot_prefix = kSegmentSlotPrefix)
       : context_(context),
-        slot_(gloo::Slot::build(kSegmentSlotPrefix, tag)),
+        slot_(gloo::Slot::build(slot_prefix, tag)),
         orphans_(orphans),
         deadline_(std::chrono::steady_clock::now() + ToChrono(timeout)) {}
   PointToPoint(const PointToPoint&) = delete;
@@ -391,6 +471,12 @@ std::string GlooCommunicator::Describe(const std::string& what) const {
 
 absl::Status GlooCommunicator::Core::CurrentExceptionToStatus(
     const std::string& where) const {
+  std::string reason;
+  if (IsAborted(&reason)) {
+    // Whatever Gloo says now (our own signal, or a peer that aborted too) is
+    // the consequence of the abort.
+    return absl::AbortedError(absl::StrCat(where, " aborted: ", reason));
+  }
   try {
     throw;
   } catch (const gloo::IoException& e) {
@@ -438,6 +524,66 @@ std::unique_ptr<Work> GlooCommunicator::Enqueue(
 
 std::unique_ptr<Work> GlooCommunicator::Failed(absl::Status status) {
   return CompletedWork(std::move(status));
+}
+
+absl::Status GlooCommunicator::Abort(absl::string_view reason) {
+  core_->SetAborted(reason);
+  // Queued collectives never start; the running one is unblocked below.
+  executor_.Abort(reason);
+  std::vector<SocketEnds> pair_ends(size_);
+  std::set<SocketEnds> ends;
+  for (int p = 0; p < size_; ++p) {
+    if (p == rank_ || core_->peer_addresses[p].empty()) continue;
+    pair_ends[p] = SocketEnds(core_->context->getPair(p)->address().str(),
+                              core_->peer_addresses[p]);
+    ends.insert(pair_ends[p]);
+  }
+  const std::set<SocketEnds> shut = ShutdownSockets(ends);
+  for (int p = 0; p < size_; ++p) {
+    // A socket not found (no /proc, or Gloo closed it after an error):
+    // closing the pair still tells the peer; a local wait on it, if any, then
+    // ends at its timeout.
+    if (p != rank_ && shut.count(pair_ends[p]) == 0) {
+      core_->context->getPair(p)->close();
+    }
+  }
+  if (!executor_.WaitIdle(absl::Now() + timeout_)) {
+    return absl::DeadlineExceededError(absl::StrCat(
+        Describe("Abort"), ": the running collective did not stop within ",
+        absl::FormatDuration(timeout_), "; its buffers must stay alive"));
+  }
+  return absl::OkStatus();
+}
+
+std::unique_ptr<Work> GlooCommunicator::SendRecv(
+    const std::vector<PeerTransfer>& sends,
+    const std::vector<PeerTransfer>& recvs) {
+  const std::string where = Describe("SendRecv");
+  if (absl::Status status = CheckSendRecv(where, sends, recvs, rank_, size_);
+      !status.ok()) {
+    return Failed(std::move(status));
+  }
+  int64_t bytes = 0;
+  for (const PeerTransfer& t : sends) {
+    for (const Buffer& b : t.buffers) bytes += static_cast<int64_t>(b.bytes());
+  }
+  return Enqueue(absl::StrCat("SendRecv(", sends.size(), " sends, ", bytes,
+                              " B out, ", recvs.size(), " receives)"),
+                 [sends, recvs](Core& core, uint32_t tag) {
+                   PointToPoint messages(*core.context, tag, core.orphans,
+                                         core.timeout, kSendRecvSlotPrefix);
+                   for (const PeerTransfer& t : recvs) {
+                     for (const Buffer& b : t.buffers) {
+                       messages.Recv(b.data, b.bytes(), 0, b.bytes(), t.peer);
+                     }
+                   }
+                   for (const PeerTransfer& t : sends) {
+                     for (const Buffer& b : t.buffers) {
+                       messages.Send(b.data, b.bytes(), {t.peer});
+                     }
+                   }
+                   messages.WaitAll();
+                 });
 }
 
 std::unique_ptr<Work> GlooCommunicator::AllGather(const Buffer& input,

@@ -14,6 +14,8 @@
 // reset its connection: named by rank), naming the collective, its sequence
 // number and the communicator. The communicator is then unusable (its TCP pairs
 // are in an unknown state) and every later call fails fast with that error.
+// Abort() (from any thread) fails the running and every later collective with
+// ABORTED.
 //
 // Memory: ReduceScatter receives into a buffer of the input's size, kept for
 // the communicator's life (grown to the largest input seen) to avoid a large
@@ -119,6 +121,17 @@ class GlooCommunicator final : public Communicator {
       ReduceOp op) override;
   std::unique_ptr<Work> Broadcast(const Buffer& buffer, int root) override;
   std::unique_ptr<Work> Barrier() override;
+  // Point-to-point messages over Gloo's unbound buffers, straight from and
+  // into the callers' memory; every transfer of the call is in flight at once.
+  bool SupportsSendRecv() const override { return true; }
+  std::unique_ptr<Work> SendRecv(
+      const std::vector<PeerTransfer>& sends,
+      const std::vector<PeerTransfer>& recvs) override;
+  // Shuts down this rank's TCP sockets of the group, so Gloo fails every
+  // pending operation as for a lost connection (peers blocked on this rank see
+  // the connection end within milliseconds), then waits — at most the timeout
+  // — for the running collective to return.
+  absl::Status Abort(absl::string_view reason) override;
 
   absl::Duration timeout() const { return timeout_; }
 

@@ -818,6 +818,10 @@ absl::Status NcclCommunicator::Synchronize(absl::Duration timeout) {
 void NcclCommunicator::Abort(const absl::Status& reason) {
   state_->Abort(reason);
 }
+absl::Status NcclCommunicator::Abort(absl::string_view reason) {
+  state_->Abort(absl::AbortedError(reason));
+  return absl::OkStatus();
+}
 absl::Status NcclCommunicator::status() const { return state_->status(); }
 
 namespace {

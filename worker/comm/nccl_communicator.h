@@ -148,6 +148,10 @@ class NcclCommunicator : public Communicator {
   // Aborts now (e.g. the coordinator declared a peer dead). Later calls fail
   // with `reason`.
   void Abort(const absl::Status& reason);
+  // Communicator::Abort: ncclCommAbort (kernels in flight are torn down, so
+  // no buffer is touched afterwards); later calls fail with ABORTED naming
+  // `reason`. Never blocks on peers.
+  absl::Status Abort(absl::string_view reason) override;
   // The first error this communicator hit (OK if none).
   absl::Status status() const;
 

@@ -56,10 +56,27 @@ struct SerialExecutor::State {
     return task;
   }
 
+  // Completes `task` without running it: the executor was aborted.
+  void CompleteAborted(QueuedTask& task, const std::string& reason) {
+    task.work->Complete(
+        absl::AbortedError(
+            absl::StrCat(describe(task.what), " not run: aborted: ", reason)),
+        0);
+  }
+
   // Runs `task` (caller holds the running token), completes its Work, and
   // releases the token.
   void Execute(QueuedTask& task) {
-    if (!broken.ok()) {
+    bool was_aborted;
+    std::string abort_reason;
+    {
+      absl::MutexLock lock(&mu);
+      was_aborted = aborted;
+      abort_reason = reason;
+    }
+    if (was_aborted) {
+      CompleteAborted(task, abort_reason);
+    } else if (!broken.ok()) {
       task.work->Complete(
           absl::Status(broken.code(),
                        absl::StrCat(describe(task.what),
@@ -83,6 +100,8 @@ struct SerialExecutor::State {
   std::deque<std::unique_ptr<QueuedTask>> queue ABSL_GUARDED_BY(mu);
   bool running ABSL_GUARDED_BY(mu) = false;
   bool stopping ABSL_GUARDED_BY(mu) = false;
+  bool aborted ABSL_GUARDED_BY(mu) = false;
+  std::string reason ABSL_GUARDED_BY(mu);
   uint64_t issued ABSL_GUARDED_BY(mu) = 0;
   absl::Status broken;  // owned by the running-token holder
 };
@@ -156,12 +175,43 @@ std::unique_ptr<Work> SerialExecutor::Enqueue(const std::string& what,
   queued->run = std::move(task);
   queued->work = std::make_shared<WorkState>();
   auto work = std::make_unique<ExecutorWork>(queued->work, state_);
-  absl::MutexLock lock(&state_->mu);
-  queued->tag = state_->issued;
-  queued->what = absl::StrCat(what, " #", state_->issued);
-  ++state_->issued;
-  state_->queue.push_back(std::move(queued));
+  std::string abort_reason;
+  {
+    absl::MutexLock lock(&state_->mu);
+    queued->tag = state_->issued;
+    queued->what = absl::StrCat(what, " #", state_->issued);
+    ++state_->issued;
+    if (!state_->aborted) {
+      state_->queue.push_back(std::move(queued));
+      return work;
+    }
+    abort_reason = state_->reason;
+  }
+  state_->CompleteAborted(*queued, abort_reason);
   return work;
+}
+
+void SerialExecutor::Abort(absl::string_view reason) {
+  std::deque<std::unique_ptr<QueuedTask>> dropped;
+  std::string first_reason;
+  {
+    absl::MutexLock lock(&state_->mu);
+    if (!state_->aborted) {
+      state_->aborted = true;
+      state_->reason = std::string(reason);
+    }
+    first_reason = state_->reason;
+    dropped.swap(state_->queue);
+  }
+  for (auto& task : dropped) state_->CompleteAborted(*task, first_reason);
+}
+
+bool SerialExecutor::WaitIdle(absl::Time deadline) {
+  absl::MutexLock lock(&state_->mu);
+  auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu) {
+    return !state_->running;
+  };
+  return state_->mu.AwaitWithDeadline(absl::Condition(&idle), deadline);
 }
 
 }  // namespace hsdp::comm

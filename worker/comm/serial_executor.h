@@ -23,6 +23,8 @@
 #include <thread>
 
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 #include "worker/comm/communicator.h"
 
 namespace hsdp::comm {
@@ -46,7 +48,17 @@ class SerialExecutor {
 
   // Queues `task` under the name "<what> #<tag>" and returns its Work. A task's
   // error status is reported as is (it should already name the collective).
+  // After Abort() the task is not run: its Work completes at once with
+  // ABORTED.
   std::unique_ptr<Work> Enqueue(const std::string& what, Task task);
+
+  // Completes every queued task with ABORTED ("<name> not run: aborted:
+  // <reason>") without running it, and so every later one. The task running
+  // now (if any) is not interrupted here: the backend unblocks it; see
+  // WaitIdle(). Thread-safe, idempotent (the first reason stays).
+  void Abort(absl::string_view reason);
+  // True once no task is running (waiting at most until `deadline`).
+  bool WaitIdle(absl::Time deadline);
 
  private:
   struct State;

@@ -15,11 +15,13 @@
 #include <chrono>
 #include <climits>
 #include <cstring>
+#include <fstream>
 #include <random>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
 #include "common/status_util.h"
 #include "worker/comm/reduce_kernels.h"
 
@@ -83,6 +85,22 @@ uint64_t PidNamespace() {
   struct stat st;
   if (stat("/proc/self/ns/pid", &st) != 0) return 0;
   return static_cast<uint64_t>(st.st_ino);
+}
+
+// False once `pid` has exited — also while it is a zombie its parent has not
+// reaped yet (a killed rank whose launcher is slow to wait for it is dead all
+// the same).
+bool ProcessRunning(pid_t pid) {
+  if (kill(pid, 0) != 0) return errno != ESRCH;
+  std::ifstream stat(absl::StrCat("/proc/", pid, "/stat"));
+  std::string line;
+  if (!std::getline(stat, line)) return true;
+  // "pid (comm) S ...": the state follows the last ')' (comm may hold any
+  // character).
+  const size_t close = line.rfind(')');
+  if (close == std::string::npos || close + 2 >= line.size()) return true;
+  const char state = line[close + 2];
+  return state != 'Z' && state != 'X';
 }
 
 std::string RandomName() {
@@ -193,6 +211,26 @@ class ShmCommunicator::Region {
     Wake(w.ack.value);
   }
 
+  // From any thread: makes every wait of this rank fail with ABORTED, marks
+  // the rank closed for its peers, and wakes every sleeper on the region (ours
+  // and the peers', who then see the rank closed). The first reason stays.
+  void Abort(absl::string_view reason) {
+    {
+      absl::MutexLock lock(&abort_mu_);
+      if (aborted_.load(std::memory_order_relaxed)) return;
+      abort_reason_ = std::string(reason);
+      aborted_.store(true, std::memory_order_release);
+    }
+    info(rank_).closed.store(1, std::memory_order_release);
+    const int mailboxes = size_ * (size_ + 1);
+    for (int m = 0; m < mailboxes; ++m) {
+      for (int slot = 0; slot < 2; ++slot) {
+        Wake(words(m, slot).seq.value);
+        Wake(words(m, slot).ack.value);
+      }
+    }
+  }
+
  private:
   char* mailbox(int m) {
     return base_ + layout_.mailboxes_offset + m * layout_.mailbox_bytes;
@@ -216,7 +254,12 @@ class ShmCommunicator::Region {
     if (i.closed.load(std::memory_order_acquire) != 0) return false;
     // Another PID namespace (or unknown): its pid means nothing here.
     if (i.pid_namespace == 0 || i.pid_namespace != my_namespace_) return true;
-    return kill(static_cast<pid_t>(i.pid), 0) == 0 || errno != ESRCH;
+    return ProcessRunning(static_cast<pid_t>(i.pid));
+  }
+
+  absl::Status AbortedStatus(const std::string& what) {
+    absl::MutexLock lock(&abort_mu_);
+    return absl::AbortedError(absl::StrCat(what, " aborted: ", abort_reason_));
   }
 
   absl::Status Await(std::atomic<uint32_t>& word, uint32_t want, int peer,
@@ -227,6 +270,7 @@ class ShmCommunicator::Region {
     }
     const absl::Time deadline = absl::Now() + timeout_;
     for (;;) {
+      if (aborted_.load(std::memory_order_acquire)) return AbortedStatus(what);
       const uint32_t seen = word.load(std::memory_order_acquire);
       if (seen == want) return absl::OkStatus();
       const absl::Time now = absl::Now();
@@ -268,6 +312,10 @@ class ShmCommunicator::Region {
   // Messages written to / read from each mailbox by this rank so far.
   std::vector<uint64_t> sent_;
   std::vector<uint64_t> received_;
+  // Set by Abort() from any thread; read by the waits.
+  std::atomic<bool> aborted_{false};
+  absl::Mutex abort_mu_;
+  std::string abort_reason_ ABSL_GUARDED_BY(abort_mu_);
 };
 
 namespace {
@@ -402,15 +450,17 @@ absl::StatusOr<std::unique_ptr<Communicator>> ShmCommunicator::Wrap(
   // unlinking now leaves nothing behind in /dev/shm when processes die.
   if (rank == 0 && !name.empty()) shm_unlink(name.c_str());
   if (!first_problem.empty()) return fall_back(first_problem);
-  return std::unique_ptr<Communicator>(
-      new ShmCommunicator(std::move(inner), std::move(region)));
+  return std::unique_ptr<Communicator>(new ShmCommunicator(
+      std::move(inner), std::move(region), options.timeout));
 }
 
 ShmCommunicator::ShmCommunicator(std::unique_ptr<Communicator> inner,
-                                 std::shared_ptr<Region> region)
+                                 std::shared_ptr<Region> region,
+                                 absl::Duration timeout)
     : rank_(inner->rank()),
       size_(inner->size()),
       name_(absl::StrCat("shm+", inner->name())),
+      timeout_(timeout),
       inner_(std::move(inner)),
       region_(std::move(region)),
       executor_(
@@ -420,6 +470,18 @@ ShmCommunicator::ShmCommunicator(std::unique_ptr<Communicator> inner,
           }) {}
 
 ShmCommunicator::~ShmCommunicator() = default;
+
+absl::Status ShmCommunicator::Abort(absl::string_view reason) {
+  executor_.Abort(reason);
+  region_->Abort(reason);
+  const absl::Status inner = inner_->Abort(reason);
+  if (!executor_.WaitIdle(absl::Now() + timeout_)) {
+    return absl::DeadlineExceededError(absl::StrCat(
+        "Abort on ", name_, ": the running collective did not stop within ",
+        absl::FormatDuration(timeout_), "; its buffers must stay alive"));
+  }
+  return inner;
+}
 
 size_t ShmCommunicator::slot_bytes() const { return region_->slot_bytes(); }
 

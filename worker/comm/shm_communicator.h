@@ -21,6 +21,9 @@
 // that destroyed its communicator, or whose process exited (when it shares our
 // PID namespace), is noticed within ~50 ms: UNAVAILABLE naming its rank. After
 // a failure the communicator is unusable (later calls fail fast), as with Gloo.
+// Abort() from any thread fails the running and every later collective with
+// ABORTED, and peers waiting on this rank with UNAVAILABLE, within
+// milliseconds (every sleeper on the region is woken).
 //
 // Thread-safety: as Communicator. Segment collectives run one at a time in
 // issue order on this communicator's own SerialExecutor; delegated calls run on
@@ -92,6 +95,15 @@ class ShmCommunicator final : public Communicator {
     return inner_->Broadcast(buffer, root);
   }
   std::unique_ptr<Work> Barrier() override { return inner_->Barrier(); }
+  bool SupportsSendRecv() const override { return inner_->SupportsSendRecv(); }
+  std::unique_ptr<Work> SendRecv(
+      const std::vector<PeerTransfer>& sends,
+      const std::vector<PeerTransfer>& recvs) override {
+    return inner_->SendRecv(sends, recvs);
+  }
+  // Fails this rank's waits (ABORTED) and marks it closed in the region, so
+  // peers waiting on it fail at once; aborts the wrapped communicator too.
+  absl::Status Abort(absl::string_view reason) override;
 
   bool SupportsSegments() const override { return true; }
   // Sums straight out of the mailboxes: `scratch` is not used.
@@ -111,11 +123,12 @@ class ShmCommunicator final : public Communicator {
   class Region;
 
   ShmCommunicator(std::unique_ptr<Communicator> inner,
-                  std::shared_ptr<Region> region);
+                  std::shared_ptr<Region> region, absl::Duration timeout);
 
   const int rank_;
   const int size_;
   const std::string name_;
+  const absl::Duration timeout_;
   std::unique_ptr<Communicator> inner_;
   const std::shared_ptr<Region> region_;
   // Runs the segment collectives in issue order; destroyed (drained) first.

@@ -55,6 +55,9 @@ class FakeCoordinator final : public CoordinatorService::Service {
     if (forget_members_)
       return grpc::Status(grpc::StatusCode::NOT_FOUND, "unknown worker");
     schedule_requests_.push_back(req->step());
+    if (abort_schedules_) {
+      return grpc::Status(grpc::StatusCode::ABORTED, "generation 7 ended");
+    }
     if (req->step() > drain_after_) {
       resp->set_drained(true);
     } else {
@@ -112,6 +115,7 @@ class FakeCoordinator final : public CoordinatorService::Service {
   int64_t drain_after_ ABSL_GUARDED_BY(mu_) = 1000;
   int64_t hold_after_ ABSL_GUARDED_BY(mu_) = 1000;
   bool forget_members_ ABSL_GUARDED_BY(mu_) = false;
+  bool abort_schedules_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<int64_t> schedule_requests_ ABSL_GUARDED_BY(mu_);
   std::vector<int64_t> reported_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::string> store_ ABSL_GUARDED_BY(mu_);
@@ -273,6 +277,26 @@ TEST(AgentTest, GenerationChangeIsReported) {
     absl::SleepFor(absl::Milliseconds(20));
   }
   EXPECT_EQ(agent.membership_status().code(), absl::StatusCode::kAborted);
+}
+
+// ABORTED has one meaning — the generation ended, re-form — so the agent
+// hands it back at once instead of retrying.
+TEST(AgentTest, AbortedIsReturnedAtOnceNotRetried) {
+  FakeCoordinator fake;
+  {
+    absl::MutexLock lock(&fake.mu_);
+    fake.abort_schedules_ = true;
+  }
+  int port = 0;
+  auto server = Serve(&fake, "127.0.0.1:0", &port);
+  Agent agent(Options(port));
+  ASSERT_TRUE(agent.Join().ok());
+  const absl::Time start = absl::Now();
+  absl::StatusOr<v1::GetScheduleResponse> s = agent.GetSchedule(0, 0);
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kAborted);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(1));
+  absl::MutexLock lock(&fake.mu_);
+  EXPECT_EQ(fake.schedule_requests_.size(), 1u);
 }
 
 TEST(CoordinatorStoreTest, SetGetWaitThroughRpcs) {

@@ -370,6 +370,23 @@ TEST(NcclDeviceOnlyTest, AbortFailsLaterCollectivesNamingTheReason) {
   EXPECT_THAT(std::string(status.message()), HasSubstr("peer 3 left the job"));
 }
 
+TEST(NcclDeviceOnlyTest, InterfaceAbortFailsLaterCollectivesWithAborted) {
+  HSDP_REQUIRE_DEVICE(device);
+  InMemoryStore store;
+  std::unique_ptr<NcclCommunicator> comm =
+      MakeSingleRank(store, device, "interface-abort");
+  ASSERT_NE(comm, nullptr);
+  Communicator& generic = *comm;
+  ASSERT_TRUE(generic.Abort("generation 3 ended").ok());
+  // Idempotent.
+  ASSERT_TRUE(generic.Abort("again").ok());
+  DeviceBuffer buffer(DataType::kFloat32, 16);
+  absl::Status status =
+      comm->AllReduce(buffer.buffer(), ReduceOp::kSum)->Wait();
+  EXPECT_EQ(status.code(), absl::StatusCode::kAborted);
+  EXPECT_THAT(std::string(status.message()), HasSubstr("generation 3 ended"));
+}
+
 TEST(NcclDeviceOnlyTest, MeshOfOneBuildsNamedCommunicators) {
   HSDP_REQUIRE_DEVICE(device);
   InMemoryStore store;
