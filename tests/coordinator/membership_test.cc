@@ -243,7 +243,10 @@ TEST_F(MembershipTest, RestoredSilentWorkersGetLost) {
   clock_.Advance(absl::Seconds(6));
   EXPECT_EQ(m->SweepHeartbeats(), (std::vector<int>{1}));
   EXPECT_EQ(m->generation(), 1);
-  // The bumped generation is persisted.
+  // The bumped generation is persisted (read back once the first store let go
+  // of the directory's lock).
+  m.reset();
+  store->reset();
   auto reopened = StateStore::Open(dir);
   ASSERT_TRUE(reopened.ok());
   EXPECT_EQ((*reopened)->state().generation(), 1);
