@@ -44,8 +44,9 @@ timed() {
 configure() {
   local dir="$1"
   shift
-  cmake -S "$root" -B "$root/$dir" -G Ninja "$@" >"$root/$dir.configure.log" 2>&1 || {
-    cat "$root/$dir.configure.log"
+  mkdir -p "$root/$dir"
+  cmake -S "$root" -B "$root/$dir" -G Ninja "$@" >"$root/$dir/configure.log" 2>&1 || {
+    cat "$root/$dir/configure.log"
     return 1
   }
 }
