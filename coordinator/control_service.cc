@@ -18,18 +18,6 @@
 namespace hsdp::coordinator {
 namespace {
 
-constexpr char kAuthorizationHeader[] = "authorization";
-
-// Compares without an early exit, so the time taken does not reveal how much of
-// a guessed token was right.
-bool ConstantTimeEquals(absl::string_view a, absl::string_view b) {
-  unsigned char diff = a.size() == b.size() ? 0 : 1;
-  const size_t n = std::min(a.size(), b.size());
-  for (size_t i = 0; i < n; ++i)
-    diff |= static_cast<unsigned char>(a[i] ^ b[i]);
-  return diff == 0;
-}
-
 absl::Status UnknownFieldsError(const google::protobuf::Message& message,
                                 absl::string_view path) {
   const google::protobuf::UnknownFieldSet& fields =
@@ -52,26 +40,12 @@ absl::Status CheckNoUnknownFields(const hsdp::v1::Policy& policy) {
 }
 
 ControlServiceImpl::ControlServiceImpl(CoordinatorCore core,
-                                       std::string control_token)
-    : core_(core),
-      expected_authorization_(
-          control_token.empty() ? "" : absl::StrCat("Bearer ", control_token)) {
-}
+                                       const std::string& control_token)
+    : core_(core), auth_(control_token, "control token") {}
 
 absl::Status ControlServiceImpl::Authenticate(
     const grpc::ServerContext& context) const {
-  if (expected_authorization_.empty()) return absl::OkStatus();
-  const auto& metadata = context.client_metadata();
-  auto it = metadata.find(kAuthorizationHeader);
-  if (it == metadata.end()) {
-    return absl::UnauthenticatedError(
-        "missing 'authorization: Bearer <token>' metadata");
-  }
-  const absl::string_view got(it->second.data(), it->second.size());
-  if (!ConstantTimeEquals(got, expected_authorization_)) {
-    return absl::UnauthenticatedError("invalid control token");
-  }
-  return absl::OkStatus();
+  return auth_.Check(context);
 }
 
 grpc::Status ControlServiceImpl::GetStatus(

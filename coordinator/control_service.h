@@ -7,6 +7,7 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "coordinator/bearer_auth.h"
 #include "coordinator/coordinator_service.h"
 #include "hsdp/v1/control_service.grpc.pb.h"
 
@@ -22,7 +23,7 @@ absl::Status CheckNoUnknownFields(const hsdp::v1::Policy& policy);
 class ControlServiceImpl final : public hsdp::v1::ControlService::Service {
  public:
   // An empty `control_token` disables authentication.
-  ControlServiceImpl(CoordinatorCore core, std::string control_token);
+  ControlServiceImpl(CoordinatorCore core, const std::string& control_token);
   ControlServiceImpl(const ControlServiceImpl&) = delete;
   ControlServiceImpl& operator=(const ControlServiceImpl&) = delete;
 
@@ -57,7 +58,7 @@ class ControlServiceImpl final : public hsdp::v1::ControlService::Service {
   absl::Status Authenticate(const grpc::ServerContext& context) const;
 
   const CoordinatorCore core_;
-  const std::string expected_authorization_;  // "Bearer <token>", or empty
+  const BearerAuth auth_;
 };
 
 }  // namespace hsdp::coordinator

@@ -119,8 +119,9 @@ void CoreEvents::OnRecovered(const hsdp::v1::FailureRecord& failure) {
       seconds(failure.formed_unix_ms(), failure.recovered_unix_ms()));
 }
 
-absl::Time LongPollDeadline(const grpc::ServerContext& context) {
-  const absl::Time cap = absl::Now() + kMaxLongPoll;
+absl::Time LongPollDeadline(const grpc::ServerContext& context,
+                            absl::Duration max_wait) {
+  const absl::Time cap = absl::Now() + max_wait;
   const auto deadline = context.deadline();
   // gRPC reports "no deadline" as the time_point maximum, which absl cannot
   // convert.
@@ -128,13 +129,14 @@ absl::Time LongPollDeadline(const grpc::ServerContext& context) {
   return std::min(cap, absl::FromChrono(deadline));
 }
 
-CoordinatorServiceImpl::CoordinatorServiceImpl(CoordinatorCore core)
-    : core_(core) {}
+CoordinatorServiceImpl::CoordinatorServiceImpl(CoordinatorCore core,
+                                               const std::string& job_token)
+    : core_(core), job_auth_(job_token, "job token") {}
 
-grpc::Status CoordinatorServiceImpl::Join(grpc::ServerContext* /*context*/,
+grpc::Status CoordinatorServiceImpl::Join(grpc::ServerContext* context,
                                           const hsdp::v1::JoinRequest* request,
                                           hsdp::v1::JoinResponse* response) {
-  return ServeTracked(core_.calls, [&]() -> absl::Status {
+  return Serve(*context, [&]() -> absl::Status {
     HSDP_RETURN_IF_ERROR(core_.membership->CheckJobId(request->job_id()));
     JoinArgs args;
     if (request->has_rank_hint() && request->rank_hint() >= 0)
@@ -187,9 +189,9 @@ grpc::Status CoordinatorServiceImpl::Join(grpc::ServerContext* /*context*/,
 }
 
 grpc::Status CoordinatorServiceImpl::Heartbeat(
-    grpc::ServerContext* /*context*/, const hsdp::v1::HeartbeatRequest* request,
+    grpc::ServerContext* context, const hsdp::v1::HeartbeatRequest* request,
     hsdp::v1::HeartbeatResponse* response) {
-  return ServeTracked(core_.calls, [&]() -> absl::Status {
+  return Serve(*context, [&]() -> absl::Status {
     HSDP_RETURN_IF_ERROR(core_.membership->CheckJobId(request->job_id()));
     HSDP_ASSIGN_OR_RETURN(
         HeartbeatResult beat,
@@ -221,12 +223,12 @@ grpc::Status CoordinatorServiceImpl::AwaitGeneration(
     grpc::ServerContext* context,
     const hsdp::v1::AwaitGenerationRequest* request,
     hsdp::v1::AwaitGenerationResponse* response) {
-  return ServeTracked(core_.calls, [&]() -> absl::Status {
+  return Serve(*context, [&]() -> absl::Status {
     HSDP_RETURN_IF_ERROR(core_.membership->CheckJobId(request->job_id()));
     HSDP_ASSIGN_OR_RETURN(AwaitResult result,
                           core_.membership->AwaitGeneration(
                               request->worker_id(), request->generation(),
-                              LongPollDeadline(*context)));
+                              LongPollDeadline(*context, core_.max_long_poll)));
     response->set_outcome(result.outcome);
     *response->mutable_generation() = std::move(result.generation);
     response->set_worker_state(result.worker_state);
@@ -237,10 +239,10 @@ grpc::Status CoordinatorServiceImpl::AwaitGeneration(
 }
 
 grpc::Status CoordinatorServiceImpl::ReportFailure(
-    grpc::ServerContext* /*context*/,
+    grpc::ServerContext* context,
     const hsdp::v1::ReportFailureRequest* request,
     hsdp::v1::ReportFailureResponse* response) {
-  return ServeTracked(core_.calls, [&]() -> absl::Status {
+  return Serve(*context, [&]() -> absl::Status {
     HSDP_RETURN_IF_ERROR(core_.membership->CheckJobId(request->job_id()));
     HSDP_ASSIGN_OR_RETURN(bool ended,
                           core_.membership->ReportFailure(
@@ -254,12 +256,12 @@ grpc::Status CoordinatorServiceImpl::ReportFailure(
 grpc::Status CoordinatorServiceImpl::CommitStep(
     grpc::ServerContext* context, const hsdp::v1::CommitStepRequest* request,
     hsdp::v1::CommitStepResponse* response) {
-  return ServeTracked(core_.calls, [&]() -> absl::Status {
+  return Serve(*context, [&]() -> absl::Status {
     HSDP_RETURN_IF_ERROR(core_.membership->CheckJobId(request->job_id()));
     HSDP_ASSIGN_OR_RETURN(CommitResult result,
                           core_.membership->CommitStep(
                               request->worker_id(), request->generation(),
-                              request->step(), LongPollDeadline(*context)));
+                              request->step(), LongPollDeadline(*context, core_.max_long_poll)));
     response->set_step(result.step);
     response->set_reform_after(result.reform_after);
     return absl::OkStatus();
@@ -270,7 +272,7 @@ grpc::Status CoordinatorServiceImpl::GetSchedule(
     grpc::ServerContext* context, const hsdp::v1::GetScheduleRequest* request,
     hsdp::v1::GetScheduleResponse* response) {
   const absl::Time start = absl::Now();
-  grpc::Status status = ServeTracked(core_.calls, [&]() -> absl::Status {
+  grpc::Status status = Serve(*context, [&]() -> absl::Status {
     HSDP_RETURN_IF_ERROR(core_.membership->CheckJobId(request->job_id()));
     // Clients with worker ids name their generation; the others (rank only)
     // read the current one's.
@@ -284,7 +286,7 @@ grpc::Status CoordinatorServiceImpl::GetSchedule(
     HSDP_ASSIGN_OR_RETURN(
         ScheduleRead read,
         core_.schedule_log->GetSchedule(request->step(), member.generation,
-                                        LongPollDeadline(*context)));
+                                        LongPollDeadline(*context, core_.max_long_poll)));
     if (read.drained) {
       response->set_drained(true);
       return absl::OkStatus();
@@ -301,10 +303,9 @@ grpc::Status CoordinatorServiceImpl::GetSchedule(
 }
 
 grpc::Status CoordinatorServiceImpl::ReportStep(
-    grpc::ServerContext* /*context*/,
-    const hsdp::v1::ReportStepRequest* request,
+    grpc::ServerContext* context, const hsdp::v1::ReportStepRequest* request,
     hsdp::v1::ReportStepResponse* /*response*/) {
-  return ServeTracked(core_.calls, [&]() -> absl::Status {
+  return Serve(*context, [&]() -> absl::Status {
     HSDP_RETURN_IF_ERROR(core_.membership->CheckJobId(request->job_id()));
     hsdp::v1::StepReport report = request->report();
     // A report is as good as a heartbeat (and checks the worker is known and
@@ -348,9 +349,9 @@ absl::Status CoordinatorServiceImpl::CheckStoreScope(absl::string_view job_id,
 }
 
 grpc::Status CoordinatorServiceImpl::StoreSet(
-    grpc::ServerContext* /*context*/, const hsdp::v1::StoreSetRequest* request,
+    grpc::ServerContext* context, const hsdp::v1::StoreSetRequest* request,
     hsdp::v1::StoreSetResponse* /*response*/) {
-  return ServeTracked(core_.calls, [&]() -> absl::Status {
+  return Serve(*context, [&]() -> absl::Status {
     HSDP_RETURN_IF_ERROR(
         CheckStoreScope(request->job_id(), request->generation()));
     return core_.kv_store->Set(request->job_id(), request->generation(),
@@ -363,8 +364,9 @@ namespace {
 // The store wait: the request's timeout, but never past the call's own (capped)
 // deadline.
 absl::Duration StoreTimeout(const grpc::ServerContext& context,
-                            int32_t timeout_ms) {
-  const absl::Duration call_left = LongPollDeadline(context) - absl::Now();
+                            absl::Duration max_wait, int32_t timeout_ms) {
+  const absl::Duration call_left =
+      LongPollDeadline(context, max_wait) - absl::Now();
   return std::min(absl::Milliseconds(timeout_ms), call_left);
 }
 
@@ -373,14 +375,15 @@ absl::Duration StoreTimeout(const grpc::ServerContext& context,
 grpc::Status CoordinatorServiceImpl::StoreGet(
     grpc::ServerContext* context, const hsdp::v1::StoreGetRequest* request,
     hsdp::v1::StoreGetResponse* response) {
-  return ServeTracked(core_.calls, [&]() -> absl::Status {
+  return Serve(*context, [&]() -> absl::Status {
     HSDP_RETURN_IF_ERROR(
         CheckStoreScope(request->job_id(), request->generation()));
     HSDP_ASSIGN_OR_RETURN(
         std::string value,
         core_.kv_store->Get(request->job_id(), request->generation(),
                             request->key(),
-                            StoreTimeout(*context, request->timeout_ms())));
+                            StoreTimeout(*context, core_.max_long_poll,
+                                         request->timeout_ms())));
     response->set_value(std::move(value));
     return absl::OkStatus();
   });
@@ -389,13 +392,14 @@ grpc::Status CoordinatorServiceImpl::StoreGet(
 grpc::Status CoordinatorServiceImpl::StoreWait(
     grpc::ServerContext* context, const hsdp::v1::StoreWaitRequest* request,
     hsdp::v1::StoreWaitResponse* /*response*/) {
-  return ServeTracked(core_.calls, [&]() -> absl::Status {
+  return Serve(*context, [&]() -> absl::Status {
     HSDP_RETURN_IF_ERROR(
         CheckStoreScope(request->job_id(), request->generation()));
     const std::vector<std::string> keys(request->keys().begin(),
                                         request->keys().end());
-    return core_.kv_store->Wait(request->job_id(), request->generation(), keys,
-                                StoreTimeout(*context, request->timeout_ms()));
+    return core_.kv_store->Wait(
+        request->job_id(), request->generation(), keys,
+        StoreTimeout(*context, core_.max_long_poll, request->timeout_ms()));
   });
 }
 

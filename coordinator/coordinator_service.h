@@ -13,11 +13,14 @@
 #define HSDP_COORDINATOR_COORDINATOR_SERVICE_H_
 
 #include <map>
+#include <string>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/status_util.h"
+#include "coordinator/bearer_auth.h"
 #include "coordinator/grpc_status.h"
 #include "coordinator/kv_store.h"
 #include "coordinator/membership.h"
@@ -103,6 +106,8 @@ struct CoordinatorCore {
   Metrics* metrics = nullptr;
   ReportBook* reports = nullptr;
   CallTracker* calls = nullptr;
+  // Cap on one long poll (in-process fuzzing shortens it).
+  absl::Duration max_long_poll = kMaxLongPoll;
 };
 
 // Runs a handler body (returning absl::Status) as one tracked call and
@@ -141,14 +146,22 @@ class CoreEvents final : public MembershipListener {
 };
 
 // The deadline of a blocking call: the call's own deadline, capped at now +
-// kMaxLongPoll.
-absl::Time LongPollDeadline(const grpc::ServerContext& context);
+// `cap`.
+absl::Time LongPollDeadline(const grpc::ServerContext& context,
+                            absl::Duration cap = kMaxLongPoll);
 
-// Thread-safe: all state lives in the (thread-safe) core components.
+// Thread-safe: all state lives in the (thread-safe) core components; the job
+// token is immutable.
+//
+// Authentication: with a job token, every call must carry `authorization:
+// Bearer <job token>`; a call without it or with another token is
+// UNAUTHENTICATED and reads or changes nothing.
 class CoordinatorServiceImpl final
     : public hsdp::v1::CoordinatorService::Service {
  public:
-  explicit CoordinatorServiceImpl(CoordinatorCore core);
+  // An empty `job_token` leaves the service open (local tests and runs).
+  explicit CoordinatorServiceImpl(CoordinatorCore core,
+                                  const std::string& job_token = "");
   CoordinatorServiceImpl(const CoordinatorServiceImpl&) = delete;
   CoordinatorServiceImpl& operator=(const CoordinatorServiceImpl&) = delete;
 
@@ -190,6 +203,18 @@ class CoordinatorServiceImpl final
   void Tick();
 
  private:
+  // Every handler body runs through here: the job token is checked before the
+  // body sees the request. (gRPC C++ server interceptors cannot refuse a call,
+  // so the check sits on the handler path; coordinator_auth_test calls every
+  // method of the service's descriptor to catch a handler that skips it.)
+  template <typename Body>
+  grpc::Status Serve(const grpc::ServerContext& context, Body&& body) {
+    return ServeTracked(core_.calls, [&]() -> absl::Status {
+      HSDP_RETURN_IF_ERROR(job_auth_.Check(context));
+      return body();
+    });
+  }
+
   // Store calls must name the current, running generation: a stale worker
   // must re-form (ABORTED), not read or clobber another generation's
   // rendezvous.
@@ -197,6 +222,7 @@ class CoordinatorServiceImpl final
                                int64_t generation) const;
 
   const CoordinatorCore core_;
+  const BearerAuth job_auth_;
 };
 
 }  // namespace hsdp::coordinator

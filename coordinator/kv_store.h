@@ -22,9 +22,13 @@
 
 namespace hsdp::coordinator {
 
+// Default limits (KvStore::Limits). Rendezvous data is small (Gloo addresses,
+// NCCL unique ids: bytes to a few KiB per rank); the limits keep one worker,
+// buggy or hostile, from filling the coordinator's memory.
 inline constexpr size_t kMaxKvKeyBytes = 1024;
 inline constexpr size_t kMaxKvValueBytes = 4 << 20;
 inline constexpr size_t kMaxKvKeysPerScope = 1 << 16;
+inline constexpr size_t kMaxKvBytesPerScope = 64 << 20;
 
 // The rendezvous prefix a Join answer carries, e.g. "hsdp/job-1/gen-3/".
 std::string RendezvousPrefix(absl::string_view job_id, int64_t generation);
@@ -32,24 +36,41 @@ std::string RendezvousPrefix(absl::string_view job_id, int64_t generation);
 // Thread-safe.
 class KvStore {
  public:
-  KvStore() = default;
+  // Every refusal names the limit it hit.
+  struct Limits {
+    // One key: INVALID_ARGUMENT past it (and for an empty key).
+    size_t max_key_bytes = kMaxKvKeyBytes;
+    // One value: INVALID_ARGUMENT past it.
+    size_t max_value_bytes = kMaxKvValueBytes;
+    // Keys in one (job, generation) scope: RESOURCE_EXHAUSTED past it; also
+    // the most keys one Wait may name (INVALID_ARGUMENT).
+    size_t max_keys_per_scope = kMaxKvKeysPerScope;
+    // Key + value bytes in one scope: RESOURCE_EXHAUSTED past it.
+    size_t max_bytes_per_scope = kMaxKvBytesPerScope;
+  };
+
+  KvStore() : KvStore(Limits()) {}
+  explicit KvStore(Limits limits) : limits_(limits) {}
   KvStore(const KvStore&) = delete;
   KvStore& operator=(const KvStore&) = delete;
 
   // Sets (or overwrites) a key. INVALID_ARGUMENT for an empty/oversized key or
-  // oversized value; RESOURCE_EXHAUSTED past kMaxKvKeysPerScope keys in one
-  // scope.
+  // oversized value; RESOURCE_EXHAUSTED when the scope would pass its key count
+  // or byte limit. A refused Set changes nothing.
   absl::Status Set(absl::string_view job_id, int64_t generation,
                    absl::string_view key, std::string value);
 
   // Returns the value once the key exists; DEADLINE_EXCEEDED ("key K not set
   // within T") after `timeout` (<= 0: check once); UNAVAILABLE after
-  // Shutdown().
+  // Shutdown(). A key Set would refuse (empty, oversized) is INVALID_ARGUMENT
+  // at once: it can never appear.
   absl::StatusOr<std::string> Get(absl::string_view job_id, int64_t generation,
                                   absl::string_view key,
                                   absl::Duration timeout);
 
-  // Like Get for every key; the error names the first missing key.
+  // Like Get for every key; the error names the first missing key. Keys are
+  // checked as in Get, and more than max_keys_per_scope of them is
+  // INVALID_ARGUMENT.
   absl::Status Wait(absl::string_view job_id, int64_t generation,
                     const std::vector<std::string>& keys,
                     absl::Duration timeout);
@@ -68,9 +89,21 @@ class KvStore {
 
   // Keys in one scope (for tests/metrics).
   size_t KeyCount(absl::string_view job_id, int64_t generation) const;
+  // Key + value bytes in one scope (for tests/metrics).
+  size_t ByteCount(absl::string_view job_id, int64_t generation) const;
+
+  const Limits& limits() const { return limits_; }
 
  private:
   using Scope = std::pair<std::string, int64_t>;
+  struct ScopeData {
+    std::map<std::string, std::string, std::less<>> entries;
+    // Sum of key and value sizes over `entries`.
+    size_t bytes = 0;
+  };
+
+  // INVALID_ARGUMENT for a key no Set accepts.
+  absl::Status CheckKey(absl::string_view key) const;
   // True when every key exists in the scope or the store is shut down.
   bool ReadyLocked(const Scope& scope,
                    const std::vector<std::string>& keys) const
@@ -82,9 +115,9 @@ class KvStore {
                           absl::Duration timeout)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
+  const Limits limits_;
   mutable absl::Mutex mu_;
-  std::map<Scope, std::map<std::string, std::string, std::less<>>> scopes_
-      ABSL_GUARDED_BY(mu_);
+  std::map<Scope, ScopeData> scopes_ ABSL_GUARDED_BY(mu_);
   bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
   // Per job: the latest generation that ended.
   std::map<std::string, int64_t, std::less<>> ended_through_

@@ -20,6 +20,7 @@
 #include "common/mesh.h"
 #include "common/policy.h"
 #include "common/status_util.h"
+#include "common/token.h"
 #include "coordinator/server.h"
 #include "coordinator/state_store.h"
 
@@ -48,9 +49,12 @@ struct Flags {
   double reform_window_s = 5;
   std::string tls_cert;
   std::string tls_key;
+  std::string tls_client_ca;
   std::string control_token_file;
+  std::string job_token_file;
   double shutdown_deadline_s = 10;
   std::string validate_policy;
+  bool check_config = false;
 };
 
 absl::StatusOr<std::string> ReadFile(const std::string& path) {
@@ -125,6 +129,19 @@ absl::StatusOr<ServerOptions> BuildServerOptions(const Flags& f) {
     HSDP_ASSIGN_OR_RETURN(options.tls_cert_pem, ReadFile(f.tls_cert));
     HSDP_ASSIGN_OR_RETURN(options.tls_key_pem, ReadFile(f.tls_key));
   }
+  if (!f.tls_client_ca.empty()) {
+    if (f.tls_cert.empty()) {
+      return absl::InvalidArgumentError(
+          "--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key");
+    }
+    HSDP_ASSIGN_OR_RETURN(options.tls_client_ca_pem, ReadFile(f.tls_client_ca));
+  }
+  // The job token comes from a file or the environment only: argv is visible
+  // to every user of the machine.
+  HSDP_ASSIGN_OR_RETURN(
+      options.job_token,
+      hsdp::ResolveToken(f.job_token_file, hsdp::kJobTokenFileEnv,
+                         hsdp::kJobTokenEnv));
   if (!f.control_token_file.empty()) {
     HSDP_ASSIGN_OR_RETURN(std::string token, ReadFile(f.control_token_file));
     options.control_token = std::string(absl::StripAsciiWhitespace(token));
@@ -138,6 +155,29 @@ absl::StatusOr<ServerOptions> BuildServerOptions(const Flags& f) {
   }
   options.shutdown_deadline = absl::Seconds(f.shutdown_deadline_s);
   return options;
+}
+
+// --check-config: the effective job and serving settings (secrets as set or
+// not).
+void PrintConfig(const JobConfig& job, const ServerOptions& options,
+                 std::ostream& out) {
+  auto set = [](const std::string& s) { return s.empty() ? "no" : "yes"; };
+  out << "job id:            " << job.job_id << "\n"
+      << "world size:        " << job.world_size << "\n"
+      << "mesh:              " << hsdp::MeshToString(job.mesh) << "\n"
+      << "state dir:         "
+      << (job.state_dir.empty() ? "(none)" : job.state_dir) << "\n"
+      << "heartbeat timeout: " << absl::FormatDuration(job.heartbeat_timeout)
+      << "\n"
+      << "read ahead:        " << job.read_ahead << "\n"
+      << "listen:            " << options.listen << "\n"
+      << "metrics listen:    " << options.metrics_listen << "\n"
+      << "tls:               " << set(options.tls_cert_pem) << "\n"
+      << "tls client ca:     " << set(options.tls_client_ca_pem) << "\n"
+      << "control token:     " << set(options.control_token) << "\n"
+      << "job token:         " << set(options.job_token) << "\n"
+      << "policy:\n"
+      << hsdp::DescribePolicy(job.policy);
 }
 
 }  // namespace
@@ -189,14 +229,24 @@ int main(int argc, char** argv) {
       ->envname("HSDP_TLS_CERT");
   app.add_option("--tls-key", f.tls_key, "PEM private key (TLS)")
       ->envname("HSDP_TLS_KEY");
+  app.add_option("--tls-client-ca", f.tls_client_ca,
+                 "PEM CA: require client certificates it signed (mutual TLS)")
+      ->envname("HSDP_TLS_CLIENT_CA");
   app.add_option("--control-token-file", f.control_token_file,
                  "Require this bearer token on ControlService calls")
       ->envname("HSDP_CONTROL_TOKEN_FILE");
+  app.add_option("--job-token-file", f.job_token_file,
+                 "Require this bearer token on every worker call "
+                 "(CoordinatorService); or env HSDP_JOB_TOKEN")
+      ->envname(hsdp::kJobTokenFileEnv);
   app.add_option("--shutdown-deadline", f.shutdown_deadline_s,
                  "Seconds in-flight calls get on SIGTERM");
   app.add_option(
       "--validate-policy", f.validate_policy,
       "Validate a policy file, print it and exit (0 valid, 1 invalid)");
+  app.add_flag("--check-config", f.check_config,
+               "Check the flags, job file and environment, print the job and "
+               "exit (0 valid, 2 invalid)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
@@ -220,6 +270,10 @@ int main(int argc, char** argv) {
   if (!options.ok()) {
     std::cerr << "hsdp-coordinator: " << options.status().message() << "\n";
     return kExitUsage;
+  }
+  if (f.check_config) {
+    PrintConfig(*job, *options, std::cout);
+    return 0;
   }
 
   // Block the stop signals before any thread exists, so every thread inherits
@@ -253,6 +307,11 @@ int main(int argc, char** argv) {
     std::cerr << ", metrics on port " << (*server)->metrics_port();
   }
   std::cerr << "\n";
+  if (options->job_token.empty()) {
+    std::cerr << "hsdp-coordinator: warning: no job token (--job-token-file, "
+                 "HSDP_JOB_TOKEN): anyone who reaches the port can join the "
+                 "job and use its rendezvous store\n";
+  }
   std::cout << "listening on " << (*server)->address() << std::endl;
 
   int sig = 0;

@@ -61,6 +61,11 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   if (options.tls_cert_pem.empty() != options.tls_key_pem.empty()) {
     return absl::InvalidArgumentError("TLS needs both a certificate and a key");
   }
+  if (!options.tls_client_ca_pem.empty() && options.tls_cert_pem.empty()) {
+    return absl::InvalidArgumentError(
+        "a client CA (mutual TLS) needs the server's own TLS certificate and "
+        "key");
+  }
 
   StateStore* store = nullptr;
   if (!job.state_dir.empty()) {
@@ -86,6 +91,8 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   log_options.read_ahead = job.read_ahead;
   HSDP_ASSIGN_OR_RETURN(s->schedule_log_,
                         ScheduleLog::Create(log_options, job.policy, store));
+  // The draining flag is not persisted by the membership: the drain step is.
+  if (s->schedule_log_->drain_step() >= 0) s->membership_->SetDraining(true);
   if (s->membership_->has_model() && !s->schedule_log_->has_units()) {
     absl::Status units = s->schedule_log_->SetUnits(s->membership_->units());
     if (!units.ok())
@@ -108,7 +115,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   core.calls = s->calls_.get();
   s->events_ = std::make_unique<CoreEvents>(core);
   s->membership_->SetListener(s->events_.get());
-  s->coordinator_service_ = std::make_unique<CoordinatorServiceImpl>(core);
+  s->coordinator_service_ = std::make_unique<CoordinatorServiceImpl>(core, options.job_token);
   s->control_service_ =
       std::make_unique<ControlServiceImpl>(core, options.control_token);
   RefreshMembershipMetrics(core);
@@ -128,6 +135,11 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
     grpc::SslServerCredentialsOptions ssl;
     ssl.pem_key_cert_pairs.push_back(
         {options.tls_key_pem, options.tls_cert_pem});
+    if (!options.tls_client_ca_pem.empty()) {
+      ssl.pem_root_certs = options.tls_client_ca_pem;
+      ssl.client_certificate_request =
+          GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
+    }
     creds = grpc::SslServerCredentials(ssl);
   }
   builder.AddListeningPort(options.listen, creds, &s->port_);

@@ -65,8 +65,14 @@ struct ServerOptions {
   // PEM contents; both set: TLS, both empty: plaintext.
   std::string tls_cert_pem;
   std::string tls_key_pem;
+  // PEM CA certificate(s); set (needs TLS): every client must present a
+  // certificate this CA signed (mutual TLS), workers and hsdpctl alike.
+  std::string tls_client_ca_pem;
   // Empty: ControlService is open.
   std::string control_token;
+  // Empty: CoordinatorService (workers, rendezvous store) is open. Set: every
+  // CoordinatorService call must carry it (`authorization: Bearer <token>`).
+  std::string job_token;
   // How long Shutdown() lets in-flight calls finish before cancelling them.
   absl::Duration shutdown_deadline = absl::Seconds(10);
   // fsync state writes (tests and benchmarks that never crash the machine may
@@ -79,9 +85,9 @@ struct ServerOptions {
 class CoordinatorServer {
  public:
   // Builds everything and starts serving. Errors: INVALID_ARGUMENT for a bad
-  // job spec (mesh not matching the world, invalid policy), FAILED_PRECONDITION
-  // when the state directory belongs to another job, UNAVAILABLE when a port
-  // cannot be bound.
+  // job spec (mesh not matching the world, invalid policy) or TLS settings,
+  // FAILED_PRECONDITION when the state directory belongs to another job or is
+  // in use by another coordinator, UNAVAILABLE when a port cannot be bound.
   static absl::StatusOr<std::unique_ptr<CoordinatorServer>> Start(
       const JobConfig& job, const ServerOptions& options);
   ~CoordinatorServer();

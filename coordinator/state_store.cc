@@ -1,6 +1,7 @@
 #include "coordinator/state_store.h"
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -9,11 +10,13 @@
 #include <fstream>
 #include <sstream>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/strip.h"
+#include "common/status_util.h"
 #include "google/protobuf/io/coded_stream.h"
 #include "google/protobuf/io/zero_copy_stream_impl_lite.h"
 #include "hsdp/v1/schedule.pb.h"
@@ -29,6 +32,7 @@ constexpr char kGenerationMark[] = "-g";
 constexpr char kStepsDir[] = "steps";
 constexpr char kStepSuffix[] = ".binpb";
 constexpr char kTempSuffix[] = ".tmp";
+constexpr char kLockFile[] = "LOCK";
 
 absl::Status ErrnoStatus(absl::string_view what, const std::string& path) {
   const int err = errno;
@@ -105,6 +109,40 @@ absl::Status RemoveTempFiles(const fs::path& dir) {
   return absl::OkStatus();
 }
 
+// Takes an exclusive, non-blocking flock on <dir>/LOCK and records this pid in
+// it (for the message another coordinator gets). Returns the descriptor that
+// holds the lock; closing it releases the lock, as does the process dying.
+absl::StatusOr<int> LockDirectory(const std::string& dir) {
+  const std::string path = (fs::path(dir) / kLockFile).string();
+  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd < 0) return ErrnoStatus("open", path);
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    const int err = errno;
+    if (err != EWOULDBLOCK) {
+      const absl::Status status = ErrnoStatus("flock", path);
+      ::close(fd);
+      return status;
+    }
+    char holder[32] = {};
+    const ssize_t n = ::pread(fd, holder, sizeof(holder) - 1, 0);
+    ::close(fd);
+    const std::string pid(absl::StripAsciiWhitespace(
+        absl::string_view(holder, n > 0 ? static_cast<size_t>(n) : 0)));
+    return absl::FailedPreconditionError(absl::StrCat(
+        "state directory ", dir, " is in use by another coordinator (pid ",
+        pid.empty() ? "unknown" : pid, ", holding ", path,
+        "); stop it first or choose another --state-dir"));
+  }
+  const std::string pid = absl::StrCat(::getpid(), "\n");
+  if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, pid.data(), pid.size(), 0) !=
+                                     static_cast<ssize_t>(pid.size())) {
+    const absl::Status status = ErrnoStatus("write", path);
+    ::close(fd);
+    return status;
+  }
+  return fd;
+}
+
 }  // namespace
 
 absl::Status WriteFileAtomically(const std::string& path,
@@ -146,8 +184,10 @@ absl::Status WriteFileAtomically(const std::string& path,
   return absl::OkStatus();
 }
 
-StateStore::StateStore(std::string dir, Options options)
-    : dir_(std::move(dir)), options_(options) {}
+StateStore::StateStore(std::string dir, Options options, int lock_fd)
+    : dir_(std::move(dir)), options_(options), lock_fd_(lock_fd) {}
+
+StateStore::~StateStore() { ::close(lock_fd_); }
 
 absl::StatusOr<std::unique_ptr<StateStore>> StateStore::Open(
     const std::string& dir, Options options) {
@@ -159,7 +199,10 @@ absl::StatusOr<std::unique_ptr<StateStore>> StateStore::Open(
     return absl::PermissionDeniedError(absl::StrCat(
         "cannot create state directory ", dir, ": ", ec.message()));
   }
-  std::unique_ptr<StateStore> store(new StateStore(dir, options));
+  // Locked before Load() removes leftover *.tmp files: those could be another
+  // coordinator's writes in flight.
+  HSDP_ASSIGN_OR_RETURN(const int lock_fd, LockDirectory(dir));
+  std::unique_ptr<StateStore> store(new StateStore(dir, options, lock_fd));
   absl::Status status = store->Load();
   if (!status.ok()) return status;
   return store;

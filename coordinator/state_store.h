@@ -10,6 +10,9 @@
 // Every write goes to "<file>.tmp", is fsync'ed, renamed over the target, and
 // the directory is fsync'ed, so a crash leaves either the old or the new file.
 // Leftover *.tmp files (a crash mid-write) are ignored and removed on Open.
+// <dir>/LOCK is flock'ed for the store's lifetime: a second coordinator on the
+// same directory is refused before it removes or writes anything (its
+// clean-up of *.tmp files would break the first one's write in flight).
 // Sealing a step writes one small file and never rewrites the others
 // (append-friendly).
 #ifndef HSDP_COORDINATOR_STATE_STORE_H_
@@ -45,9 +48,11 @@ class StateStore {
     bool sync = true;
   };
 
-  // Opens (creating if needed) `dir` and loads what is there. A corrupt
-  // state.binpb or step file is DATA_LOSS naming the file; unreadable dir is
-  // the underlying errno status.
+  // Opens (creating if needed) `dir`, locks it and loads what is there. A
+  // directory another StateStore holds (this process or another) is
+  // FAILED_PRECONDITION naming the holder's pid; a corrupt state.binpb or step
+  // file is DATA_LOSS naming the file; unreadable dir is the underlying errno
+  // status.
   static absl::StatusOr<std::unique_ptr<StateStore>> Open(
       const std::string& dir, Options options);
   static absl::StatusOr<std::unique_ptr<StateStore>> Open(
@@ -57,6 +62,8 @@ class StateStore {
 
   StateStore(const StateStore&) = delete;
   StateStore& operator=(const StateStore&) = delete;
+  // Releases the directory lock.
+  ~StateStore();
 
   // A copy of the current state (as loaded, plus updates since).
   PersistedState state() const;
@@ -85,11 +92,13 @@ class StateStore {
   const std::string& dir() const { return dir_; }
 
  private:
-  StateStore(std::string dir, Options options);
+  StateStore(std::string dir, Options options, int lock_fd);
   absl::Status Load();
 
   const std::string dir_;
   const Options options_;
+  // Holds the flock on <dir>/LOCK.
+  const int lock_fd_;
   mutable absl::Mutex mu_;
   PersistedState state_ ABSL_GUARDED_BY(mu_);
   std::map<SealedKey, std::string> sealed_ ABSL_GUARDED_BY(mu_);

@@ -11,6 +11,10 @@ PACKAGES=(
   prometheus-cpp-dev nlohmann-json3-dev libcli11-dev libssl-dev
   python3 python3-torch python3-grpcio
   yamllint iproute2 python3-yaml
+  # tests/sanitize.sh: GCC's ASan/UBSan/TSan runtimes; clang 14 with compiler-rt (its sanitizer
+  # and libFuzzer runtimes) for the thread-safety and fuzz builds; openssl makes the TLS tests'
+  # certificates.
+  libasan8 libubsan1 libtsan2 clang clang-14 libclang-rt-14-dev openssl
 )
 
 missing=()

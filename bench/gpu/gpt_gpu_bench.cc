@@ -87,7 +87,7 @@ class MemoryMeter {
   int64_t PeakReserved() const { return Peak(/*reserved=*/true); }
 
  private:
-  int64_t Peak(bool reserved) const {
+  int64_t Peak([[maybe_unused]] bool reserved) const {
 #ifdef HSDP_WITH_CUDA
     if (device_.is_cuda()) {
       const auto stats =

@@ -37,6 +37,9 @@ struct GlobalOptions {
   std::string coordinator = kDefaultCoordinator;
   std::string token_file;
   std::string tls_ca;
+  // Mutual TLS: this client's certificate chain and key (PEM files).
+  std::string tls_client_cert;
+  std::string tls_client_key;
   bool json = false;
   double timeout_seconds = kDefaultTimeoutSeconds;
 };
@@ -86,13 +89,25 @@ absl::StatusOr<bool> ParseBool(const std::string& flag,
 class ControlClient {
  public:
   static absl::StatusOr<ControlClient> Connect(const GlobalOptions& options) {
-    std::shared_ptr<grpc::ChannelCredentials> creds;
-    if (options.tls_ca.empty()) {
-      creds = grpc::InsecureChannelCredentials();
-    } else {
+    std::shared_ptr<grpc::ChannelCredentials> creds =
+        grpc::InsecureChannelCredentials();
+    if (!options.tls_ca.empty()) {
       grpc::SslCredentialsOptions ssl;
       HSDP_ASSIGN_OR_RETURN(ssl.pem_root_certs, ReadFile(options.tls_ca));
+      if (options.tls_client_cert.empty() != options.tls_client_key.empty()) {
+        return absl::InvalidArgumentError(
+            "--tls-client-cert and --tls-client-key go together");
+      }
+      if (!options.tls_client_cert.empty()) {
+        HSDP_ASSIGN_OR_RETURN(ssl.pem_cert_chain,
+                              ReadFile(options.tls_client_cert));
+        HSDP_ASSIGN_OR_RETURN(ssl.pem_private_key,
+                              ReadFile(options.tls_client_key));
+      }
       creds = grpc::SslCredentials(ssl);
+    } else if (!options.tls_client_cert.empty()) {
+      return absl::InvalidArgumentError(
+          "--tls-client-cert needs --tls-ca (the coordinator's CA)");
     }
     std::string token;
     if (!options.token_file.empty()) {
@@ -545,6 +560,10 @@ int RunHsdpctl(int argc, char** argv, std::ostream& out, std::ostream& err) {
                  "File holding the control bearer token")
       ->envname("HSDP_CONTROL_TOKEN_FILE");
   app.add_option("--tls-ca", g.tls_ca, "PEM root certificate: use TLS");
+  app.add_option("--tls-client-cert", g.tls_client_cert,
+                 "PEM client certificate (mutual TLS; with --tls-client-key)");
+  app.add_option("--tls-client-key", g.tls_client_key,
+                 "PEM client private key (mutual TLS)");
   app.add_option("--timeout", g.timeout_seconds, "RPC deadline in seconds");
   app.add_flag("--json", g.json, "Print JSON instead of tables");
 

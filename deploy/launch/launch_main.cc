@@ -45,6 +45,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "common/mesh.h"
+#include "common/token.h"
 
 namespace {
 
@@ -287,6 +288,17 @@ int Run(const Options& o) {
 
   std::signal(SIGINT, OnSignal);
   std::signal(SIGTERM, OnSignal);
+
+  // A fresh job token per run for the coordinator and the workers, handed down
+  // through the environment (argv is visible to every user of the machine).
+  absl::StatusOr<std::string> job_token = hsdp::RandomToken();
+  if (!job_token.ok()) {
+    std::cerr << "hsdp-launch: job token: " << job_token.status().message()
+              << std::endl;
+    return kExitFailure;
+  }
+  unsetenv(hsdp::kJobTokenFileEnv);
+  setenv(hsdp::kJobTokenEnv, job_token->c_str(), /*overwrite=*/1);
 
   Cluster cluster;
   std::vector<std::string> cargs = {coordinator_bin,

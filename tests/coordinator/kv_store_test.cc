@@ -88,6 +88,67 @@ TEST(KvStoreTest, RejectsBadKeysAndValues) {
   EXPECT_EQ(store.KeyCount("job", 0), 0u);
 }
 
+// Regression: StoreSet refused an empty key but StoreGet of one waited out its
+// whole timeout. A key Set can never accept is refused at once by every call.
+TEST(KvStoreTest, GetAndWaitRefuseKeysSetWouldRefuseAtOnce) {
+  KvStore store;
+  const absl::Time start = absl::Now();
+  absl::StatusOr<std::string> got = store.Get("job", 0, "", kLong);
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(got.status().message().find("empty"), std::string::npos);
+  EXPECT_EQ(store.Wait("job", 0, {"a", ""}, kLong).code(),
+            absl::StatusCode::kInvalidArgument);
+  const std::string huge(kMaxKvKeyBytes + 1, 'k');
+  EXPECT_EQ(store.Get("job", 0, huge, kLong).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(1));
+}
+
+TEST(KvStoreTest, RefusalsNameTheLimitAndChangeNothing) {
+  KvStore::Limits limits;
+  limits.max_key_bytes = 8;
+  limits.max_value_bytes = 16;
+  limits.max_keys_per_scope = 3;
+  limits.max_bytes_per_scope = 40;
+  KvStore store(limits);
+  ASSERT_TRUE(store.Set("job", 0, "a", "0123456789").ok());  // 11 bytes
+  ASSERT_TRUE(store.Set("job", 0, "b", "0123456789").ok());  // 22 bytes
+
+  absl::Status key = store.Set("job", 0, "123456789", "v");
+  EXPECT_EQ(key.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(key.message().find("limit is 8 bytes per key"), std::string::npos)
+      << key;
+  absl::Status value = store.Set("job", 0, "c", std::string(17, 'v'));
+  EXPECT_EQ(value.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(value.message().find("limit is 16 bytes per value"),
+            std::string::npos)
+      << value;
+  // 22 + 1 + 16 = 39 bytes fits; a 4th key does not.
+  ASSERT_TRUE(store.Set("job", 0, "c", std::string(16, 'v')).ok());
+  absl::Status keys = store.Set("job", 0, "d", "");
+  EXPECT_EQ(keys.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(keys.message().find("limit is 3 keys per generation"),
+            std::string::npos)
+      << keys;
+  // Overwriting "a" with a longer value would pass 40 bytes in the scope.
+  absl::Status total = store.Set("job", 0, "a", "0123456789ab");
+  EXPECT_EQ(total.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(total.message().find("limit is 40 bytes per generation"),
+            std::string::npos)
+      << total;
+  // Nothing above changed the store.
+  EXPECT_EQ(store.KeyCount("job", 0), 3u);
+  EXPECT_EQ(store.ByteCount("job", 0), 39u);
+  EXPECT_EQ(*store.Get("job", 0, "a", absl::ZeroDuration()), "0123456789");
+  // A shorter overwrite frees bytes; another generation has its own budget.
+  ASSERT_TRUE(store.Set("job", 0, "a", "0").ok());
+  EXPECT_EQ(store.ByteCount("job", 0), 30u);
+  ASSERT_TRUE(store.Set("job", 1, "d", "").ok());
+  absl::Status wait = store.Wait("job", 0, {"a", "b", "c", "d"}, kShort);
+  EXPECT_EQ(wait.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(wait.message().find("limit is 3 keys"), std::string::npos) << wait;
+}
+
 TEST(KvStoreTest, ShutdownWakesWaiters) {
   KvStore store;
   absl::StatusOr<std::string> got;

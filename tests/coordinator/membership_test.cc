@@ -270,7 +270,10 @@ TEST_F(MembershipTest, RestoredSilentWorkersGetLost) {
   clock_.Advance(absl::Seconds(6));
   EXPECT_EQ(m->Tick(), (std::vector<int64_t>{ids[1]}));
   EXPECT_EQ(m->job_state(), hsdp::v1::JOB_STATE_REFORMING);
-  // The loss is persisted.
+  // The loss is persisted (read back once the first store let go of the
+  // directory's lock).
+  m.reset();
+  store->reset();
   auto reopened = StateStore::Open(dir);
   ASSERT_TRUE(reopened.ok());
   bool lost_persisted = false;

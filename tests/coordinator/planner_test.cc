@@ -210,7 +210,9 @@ TEST(PlannerTest, MemoryBudgetMonotoneInBudget) {
     for (bool k : Kept(s)) kept += k;
     EXPECT_GE(kept, previous) << budget;
     previous = kept;
-    if (kept > 0) EXPECT_LE(planner.last_predicted_peak_bytes(), budget);
+    if (kept > 0) {
+      EXPECT_LE(planner.last_predicted_peak_bytes(), budget);
+    }
   }
   EXPECT_EQ(previous, 7);
 }

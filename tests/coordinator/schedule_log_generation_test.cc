@@ -30,7 +30,9 @@ std::unique_ptr<ScheduleLog> MakeLog(const hsdp::v1::Policy& policy,
   options.read_ahead = 8;
   auto log = ScheduleLog::Create(options, policy, store);
   EXPECT_TRUE(log.ok()) << log.status();
-  if (units) EXPECT_TRUE((*log)->SetUnits(MakeUnits(2)).ok());
+  if (units) {
+    EXPECT_TRUE((*log)->SetUnits(MakeUnits(2)).ok());
+  }
   return std::move(*log);
 }
 

@@ -1,9 +1,11 @@
 #include "coordinator/state_store.h"
 
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
+#include <string>
 
 #include "hsdp/v1/schedule.pb.h"
 #include "tests/coordinator/core_test_util.h"
@@ -34,6 +36,38 @@ TEST(StateStoreTest, EmptyDirectoryStartsEmpty) {
   ASSERT_TRUE(store.ok()) << store.status();
   EXPECT_FALSE((*store)->state().has_job());
   EXPECT_TRUE((*store)->SealedSteps().empty());
+}
+
+// Regression: nothing locked the directory, so a second coordinator started on
+// it and its start-up clean-up of *.tmp files could delete the first one's
+// write in flight.
+TEST(StateStoreTest, SecondOpenOfALockedDirectoryIsRefusedAndTouchesNothing) {
+  const std::string dir = FreshDir("s");
+  auto first = StateStore::Open(dir);
+  ASSERT_TRUE(first.ok()) << first.status();
+  // What the first store's write in flight looks like on disk.
+  const fs::path in_flight = fs::path(dir) / "state.binpb.tmp";
+  WriteRaw(in_flight, "partial");
+
+  auto second = StateStore::Open(dir);
+  ASSERT_FALSE(second.ok());
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(second.status().message().find("in use by another coordinator"),
+            std::string::npos)
+      << second.status();
+  EXPECT_NE(second.status().message().find(std::to_string(::getpid())),
+            std::string::npos)
+      << second.status();
+  EXPECT_TRUE(fs::exists(in_flight)) << "the refused open removed a .tmp file";
+  ASSERT_TRUE(
+      (*first)->Update([](PersistedState* s) { s->set_generation(4); }).ok());
+
+  // The lock goes with the store.
+  first->reset();
+  auto third = StateStore::Open(dir);
+  ASSERT_TRUE(third.ok()) << third.status();
+  EXPECT_EQ((*third)->state().generation(), 4);
+  EXPECT_FALSE(fs::exists(in_flight));
 }
 
 TEST(StateStoreTest, RoundTripsStateAndSealedSteps) {
@@ -91,6 +125,7 @@ TEST(StateStoreTest, OneRecordPerStepAndGeneration) {
   ASSERT_EQ(steps.size(), 2u);
   EXPECT_EQ(steps.at({7, 0}), StepBytes(7, 0));
   EXPECT_EQ(steps.at({7, 2}), StepBytes(7, 2));
+  store->reset();  // releases the directory's lock
   WriteRaw(fs::path(dir) / "steps" / "000000000009-g3.binpb", StepBytes(9, 4));
   EXPECT_EQ(StateStore::Open(dir).status().code(), absl::StatusCode::kDataLoss);
 }
@@ -116,6 +151,7 @@ TEST(StateStoreTest, CommitPointRoundTrips) {
   EXPECT_EQ((*store)->commit_point()->generation(), 3);
   EXPECT_EQ((*store)->commit_point()->step(), 42);
   EXPECT_EQ((*store)->commit_point()->committed_in_generation(), 6);
+  store->reset();  // releases the directory's lock
   WriteRaw(fs::path(dir) / "commit.binpb", std::string("\x0a\x05"
                                                        "ab"));  // truncated
   EXPECT_EQ(StateStore::Open(dir).status().code(), absl::StatusCode::kDataLoss);

@@ -71,7 +71,7 @@ class Checker:
             if not m.find(self.objs, kind, name=name):
                 self.fail(f"missing {kind}{'/' + name if name else ''}")
         for kind, stem in [("ConfigMap", m.JOB_CONFIGMAP), ("ConfigMap", m.POLICY_CONFIGMAP),
-                           ("Secret", m.TOKEN_SECRET)]:
+                           ("Secret", m.TOKEN_SECRET), ("Secret", m.JOB_TOKEN_SECRET)]:
             if m.one(self.objs, kind, stem=stem) is None:
                 self.fail(f"missing {kind} {stem}")
         for o in self.objs:
@@ -349,6 +349,7 @@ class Checker:
                           f"{listen_port}")
         for var, kind, key_check in (("HSDP_POLICY_FILE", "configMap", True),
                                      ("HSDP_CONTROL_TOKEN_FILE", "secret", True),
+                                     ("HSDP_JOB_TOKEN_FILE", "secret", True),
                                      ("HSDP_STATE_DIR", "persistentVolumeClaim", False)):
             path = env.get(var)
             if not path:
@@ -413,6 +414,7 @@ class Checker:
                 if cport is None or str(cport["containerPort"]) != listen.rsplit(":", 1)[1]:
                     self.fail(f"HSDP_COORDINATOR {coord} reaches {target!r}, not the port the "
                               f"coordinator listens on ({listen})")
+        self.check_job_token(sts, env)
         ckpt = env.get("HSDP_CHECKPOINT_DIR")
         vol, _ = self.file_source(sts, ckpt) if ckpt else (None, None)
         if vol is None or "volumeClaimTemplate" not in vol:
@@ -433,6 +435,39 @@ class Checker:
                 self.fail(f"{self.label} runs workers on {device!r}, want cpu")
             if "nvidia.com/gpu" in limits:
                 self.fail(f"{self.label} asks for GPUs")
+
+    def secret_file(self, w, path):
+        """(secret name, key) backing a file path in a workload's pod, or (None, None)."""
+        vol, sub = self.file_source(w, path) if path else (None, None)
+        if vol is None or "secret" not in vol:
+            return None, None
+        return vol["secret"]["secretName"], sub
+
+    def check_job_token(self, sts, env):
+        """Workers read the job token from the same Secret key as the coordinator, and from a file:
+        a value in the pod spec (HSDP_JOB_TOKEN) would put the secret in the manifest."""
+        if "HSDP_JOB_TOKEN" in env:
+            self.fail("worker sets HSDP_JOB_TOKEN (the token itself) in its spec; mount the "
+                      "Secret and set HSDP_JOB_TOKEN_FILE")
+        path = env.get("HSDP_JOB_TOKEN_FILE")
+        worker_src = self.secret_file(sts, path)
+        if worker_src[0] is None:
+            self.fail(f"worker HSDP_JOB_TOKEN_FILE={path!r} is not on a secret volume")
+            return
+        if worker_src[1] not in (self.secret_keys(worker_src[0]) or ()):
+            self.fail(f"worker HSDP_JOB_TOKEN_FILE={path}: secret has no key {worker_src[1]!r}")
+        dep = m.one(self.objs, "Deployment", name=COORDINATOR)
+        if dep is None:
+            return
+        coord_path = self.resolved_env(m.containers(dep)[0]).get("HSDP_JOB_TOKEN_FILE")
+        coord_src = self.secret_file(dep, coord_path)
+        if coord_src != worker_src:
+            self.fail(f"workers read the job token from {worker_src}, the coordinator from "
+                      f"{coord_src}: they must share one Secret key")
+        if worker_src[0] == m.one(self.objs, "Secret", stem=m.TOKEN_SECRET).get(
+                "metadata", {}).get("name"):
+            self.fail("the job token is the control token's Secret: workers would hold the "
+                      "operator's credential")
 
     def run(self, overlay_kind):
         for check in (self.check_inventory, self.check_selectors, self.check_services,
@@ -567,6 +602,24 @@ MUTATIONS = [
      lambda o: m.one(o, "ServiceAccount", name=SERVICE_ACCOUNT).update(
          automountServiceAccountToken=True),
      "automountServiceAccountToken: false"),
+    ("worker job token from another Secret",
+     lambda o: [v.update(secret={"secretName": m.name_of(m.one(o, "Secret", stem=m.TOKEN_SECRET))})
+                for v in m.pod_spec(m.one(o, "StatefulSet", name=WORKER))["volumes"]
+                if v["name"] == "job-token"],
+     "must share one Secret key"),
+    ("worker job token not from a Secret",
+     lambda o: _env(o, "StatefulSet", WORKER, "HSDP_JOB_TOKEN_FILE").update(
+         value="/tmp/job-token"),
+     "is not on a secret volume"),
+    ("job token value written into the worker spec",
+     lambda o: _container(o, "StatefulSet", WORKER)["env"].append(
+         {"name": "HSDP_JOB_TOKEN", "value": "s3cret"}),
+     "sets HSDP_JOB_TOKEN (the token itself)"),
+    ("coordinator without a job token",
+     lambda o: _container(o, "Deployment", COORDINATOR).update(
+         env=[e for e in _container(o, "Deployment", COORDINATOR)["env"]
+              if e["name"] != "HSDP_JOB_TOKEN_FILE"]),
+     "coordinator does not set HSDP_JOB_TOKEN_FILE"),
     ("ConfigMap key reference to nothing",
      lambda o: _env(o, "StatefulSet", WORKER, "HSDP_MODEL")["valueFrom"]["configMapKeyRef"]
      .update(key="MODEL"),

@@ -15,11 +15,13 @@ CONTRACT = {
             "job-id", "world-size", "mesh", "policy-file", "job-file", "listen", "port-file",
             "state-dir", "metrics-listen", "heartbeat-timeout", "read-ahead", "tls-cert",
             "tls-key", "control-token-file", "shutdown-deadline", "validate-policy", "help",
+            # Added with the worker API's authentication (issue 15).
+            "job-token-file", "tls-client-ca", "check-config",
         },
         "env": {
             "HSDP_JOB_ID", "HSDP_WORLD_SIZE", "HSDP_MESH", "HSDP_POLICY_FILE", "HSDP_LISTEN",
             "HSDP_STATE_DIR", "HSDP_METRICS_LISTEN", "HSDP_HEARTBEAT_TIMEOUT", "HSDP_TLS_CERT",
-            "HSDP_TLS_KEY", "HSDP_CONTROL_TOKEN_FILE",
+            "HSDP_TLS_KEY", "HSDP_CONTROL_TOKEN_FILE", "HSDP_JOB_TOKEN_FILE", "HSDP_TLS_CLIENT_CA",
         },
     },
     "hsdp-worker": {
@@ -39,10 +41,12 @@ CONTRACT = {
 }
 
 # Variables a binary reads by itself rather than as an option's env fallback, so `--help` does not
-# list them: the worker's rank-hint fallbacks (torchrun's RANK, a StatefulSet pod's name).
+# list them: the worker's rank-hint fallbacks (torchrun's RANK, a StatefulSet pod's name), and the
+# job token, which the coordinator and the worker's agent (worker/agent) read from the environment
+# (a file, HSDP_JOB_TOKEN_FILE, or the value, HSDP_JOB_TOKEN) so it never appears on argv.
 AMBIENT_ENV = {
-    "hsdp-coordinator": set(),
-    "hsdp-worker": {"RANK", "POD_NAME", "HOSTNAME"},
+    "hsdp-coordinator": {"HSDP_JOB_TOKEN"},
+    "hsdp-worker": {"RANK", "POD_NAME", "HOSTNAME", "HSDP_JOB_TOKEN_FILE", "HSDP_JOB_TOKEN"},
 }
 
 # Defaults the contract states that the checks rely on.

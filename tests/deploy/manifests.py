@@ -21,6 +21,7 @@ JOB_CONFIGMAP = "hsdp-job"
 POLICY_CONFIGMAP = "hsdp-policy"
 POLICY_KEY = "policy.json"
 TOKEN_SECRET = "hsdp-control-token"
+JOB_TOKEN_SECRET = "hsdp-job-token"
 
 
 def render(target_dir):

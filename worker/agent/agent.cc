@@ -4,14 +4,19 @@
 #include <grpcpp/create_channel.h>
 #include <grpcpp/security/credentials.h>
 #include <grpcpp/support/channel_arguments.h>
+#include <grpcpp/support/client_interceptor.h>
 
 #include <algorithm>
 #include <chrono>
+#include <fstream>
+#include <sstream>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "worker/agent/agent_internal.h"
+#include "common/status_util.h"
+#include "common/token.h"
 
 namespace hsdp::agent {
 namespace {
@@ -27,7 +32,86 @@ constexpr int kDefaultHeartbeatMs = 1000;
 constexpr int kKeepaliveTimeMs = 10000;
 constexpr int kKeepaliveTimeoutMs = 5000;
 
+// Adds `authorization: Bearer <job token>` to the initial metadata of every
+// call on the channel.
+class BearerInterceptor final : public grpc::experimental::Interceptor {
+ public:
+  explicit BearerInterceptor(const std::string* authorization)
+      : authorization_(authorization) {}
+  void Intercept(
+      grpc::experimental::InterceptorBatchMethods* methods) override {
+    if (methods->QueryInterceptionHookPoint(
+            grpc::experimental::InterceptionHookPoints::
+                PRE_SEND_INITIAL_METADATA)) {
+      methods->GetSendInitialMetadata()->emplace(kAuthorizationMetadata,
+                                                 *authorization_);
+    }
+    methods->Proceed();
+  }
+
+ private:
+  const std::string* const authorization_;
+};
+
+// Owned by the channel, which may outlive the Agent: it keeps its own copy.
+class BearerInterceptorFactory final
+    : public grpc::experimental::ClientInterceptorFactoryInterface {
+ public:
+  explicit BearerInterceptorFactory(const std::string& token)
+      : authorization_(absl::StrCat(kBearerPrefix, token)) {}
+  grpc::experimental::Interceptor* CreateClientInterceptor(
+      grpc::experimental::ClientRpcInfo* /*info*/) override {
+    return new BearerInterceptor(&authorization_);
+  }
+
+ private:
+  const std::string authorization_;
+};
+
+absl::StatusOr<std::string> ReadPemFile(const std::string& path,
+                                        absl::string_view what) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    return absl::NotFoundError(absl::StrCat("cannot read ", what, " ", path));
+  }
+  std::ostringstream contents;
+  contents << in.rdbuf();
+  return contents.str();
+}
+
+absl::Status CheckTlsOptions(const AgentOptions& o) {
+  if (o.tls_client_cert_pem.empty() != o.tls_client_key_pem.empty()) {
+    return absl::InvalidArgumentError(
+        "a TLS client certificate and its key go together");
+  }
+  if (!o.tls_client_cert_pem.empty() && o.tls_ca_pem.empty()) {
+    return absl::InvalidArgumentError(
+        "a TLS client certificate needs the CA of the coordinator (--tls-ca)");
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
+
+absl::Status LoadAgentSecurityFiles(const AgentSecurityFiles& files,
+                                    AgentOptions* options) {
+  if (!files.job_token_file.empty()) {
+    absl::StatusOr<std::string> token = ReadTokenFile(files.job_token_file);
+    if (!token.ok()) return token.status();
+    options->job_token = *std::move(token);
+  }
+  const std::pair<const std::string*, std::string*> pems[] = {
+      {&files.tls_ca, &options->tls_ca_pem},
+      {&files.tls_client_cert, &options->tls_client_cert_pem},
+      {&files.tls_client_key, &options->tls_client_key_pem}};
+  for (const auto& [path, pem] : pems) {
+    if (path->empty()) continue;
+    absl::StatusOr<std::string> contents = ReadPemFile(*path, "TLS file");
+    if (!contents.ok()) return contents.status();
+    *pem = *std::move(contents);
+  }
+  return CheckTlsOptions(*options);
+}
 
 absl::Status FromGrpc(const grpc::Status& status, const std::string& what) {
   if (status.ok()) return absl::OkStatus();
@@ -48,8 +132,35 @@ Agent::Agent(AgentOptions options) : options_(std::move(options)) {
   args.SetInt(
       GRPC_ARG_MAX_RECONNECT_BACKOFF_MS,
       static_cast<int>(absl::ToInt64Milliseconds(options_.max_backoff)));
-  auto channel = grpc::CreateCustomChannel(
-      options_.coordinator, grpc::InsecureChannelCredentials(), args);
+  std::shared_ptr<grpc::ChannelCredentials> creds;
+  setup_ = CheckTlsOptions(options_);
+  if (options_.tls_ca_pem.empty()) {
+    creds = grpc::InsecureChannelCredentials();
+  } else {
+    grpc::SslCredentialsOptions ssl;
+    ssl.pem_root_certs = options_.tls_ca_pem;
+    ssl.pem_cert_chain = options_.tls_client_cert_pem;
+    ssl.pem_private_key = options_.tls_client_key_pem;
+    creds = grpc::SslCredentials(ssl);
+  }
+  std::string token = options_.job_token;
+  if (token.empty()) {
+    absl::StatusOr<std::string> from_env =
+        ResolveToken("", kJobTokenFileEnv, kJobTokenEnv);
+    if (from_env.ok()) {
+      token = *std::move(from_env);
+    } else if (setup_.ok()) {
+      setup_ = from_env.status();
+    }
+  }
+  std::vector<
+      std::unique_ptr<grpc::experimental::ClientInterceptorFactoryInterface>>
+      interceptors;
+  if (!token.empty()) {
+    interceptors.push_back(std::make_unique<BearerInterceptorFactory>(token));
+  }
+  auto channel = grpc::experimental::CreateCustomChannelWithInterceptors(
+      options_.coordinator, creds, args, std::move(interceptors));
   stub_ = hsdp::v1::CoordinatorService::NewStub(channel);
 }
 

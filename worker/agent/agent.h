@@ -24,6 +24,11 @@
 //   the coordinator declared lost gets FAILED_PRECONDITION: join again (Join)
 //   as a new worker.
 //
+// Security: every call carries the job token (`authorization: Bearer <job
+// token>`, added by a channel interceptor, so calls added later carry it too)
+// when one is configured; with a CA the channel is TLS, and with a client
+// certificate as well, mutual TLS.
+//
 // Thread-safety: all public methods are thread-safe. GetSchedule,
 // AwaitGeneration and CommitStep belong to the training thread (one caller).
 // The heartbeat thread, the watcher thread and at most one prefetch are owned
@@ -75,7 +80,35 @@ struct AgentOptions {
   absl::Duration schedule_poll_timeout = absl::Seconds(30);
   // Deadline of one AwaitGeneration / CommitStep long-poll attempt.
   absl::Duration long_poll_timeout = absl::Seconds(30);
+
+  // The job token every call carries. Empty: read from the environment
+  // (HSDP_JOB_TOKEN_FILE names a file, else HSDP_JOB_TOKEN is the value), so a
+  // launcher hands it down without argv; empty there too: calls carry none.
+  std::string job_token;
+  // TLS: PEM root certificate(s) the coordinator's certificate must chain to.
+  // Empty: plaintext.
+  std::string tls_ca_pem;
+  // Mutual TLS (needs tls_ca_pem): this worker's PEM certificate chain and
+  // private key, both or neither.
+  std::string tls_client_cert_pem;
+  std::string tls_client_key_pem;
 };
+
+// Paths from the worker's command line (empty: not given): --job-token-file,
+// --tls-ca, --tls-client-cert, --tls-client-key.
+struct AgentSecurityFiles {
+  std::string job_token_file;
+  std::string tls_ca;
+  std::string tls_client_cert;
+  std::string tls_client_key;
+};
+
+// Reads the files into `options` (job_token, tls_*_pem). NOT_FOUND for an
+// unreadable file, INVALID_ARGUMENT for an empty token file, a client
+// certificate without its key (or the reverse), or a client certificate
+// without a CA.
+absl::Status LoadAgentSecurityFiles(const AgentSecurityFiles& files,
+                                    AgentOptions* options);
 
 // Converts a gRPC status to an absl::Status with the same code, prefixing
 // `what`.
@@ -188,6 +221,10 @@ class Agent {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const AgentOptions options_;
+  // Not OK when the options cannot make a channel (bad TLS settings, an
+  // unreadable token file): every call returns it. Written only by the
+  // constructor.
+  absl::Status setup_;
   std::unique_ptr<hsdp::v1::CoordinatorService::Stub> stub_;
   std::atomic<int64_t> current_step_{0};
 

@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "common/status_util.h"
 #include "worker/agent/agent.h"
 
 namespace hsdp::agent {
@@ -43,6 +44,7 @@ inline void SetDeadline(grpc::ClientContext& ctx, absl::Duration timeout) {
 template <typename Fn>
 absl::Status Agent::CallWithRetry(const std::string& what,
                                   absl::Duration attempt_timeout, Fn attempt) {
+  if (!setup_.ok()) return AnnotateStatus(setup_, what);
   absl::Duration backoff = options_.initial_backoff;
   std::optional<absl::Time> first_failure;
   while (true) {

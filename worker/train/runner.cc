@@ -246,6 +246,8 @@ absl::Status TrainSharded(std::unique_ptr<Task> task, const WorkerOptions& o) {
   for (const fsdp::UnitInfo& u : units) ao.units.push_back(fsdp::ToProto(u));
   ao.training = ToProto(t, o.task_args, task->Name(), task->Version());
   ao.retry_budget = o.coordinator_timeout;
+  HSDP_RETURN_IF_ERROR(agent::LoadAgentSecurityFiles(
+      {o.job_token_file, o.tls_ca, o.tls_client_cert, o.tls_client_key}, &ao));
   agent::Agent agent(ao);
   HSDP_ASSIGN_OR_RETURN(hsdp::v1::JoinResponse join, agent.Join());
   const int rank = join.rank();

@@ -100,8 +100,14 @@ struct WorkerOptions {
   TaskArgs task_args;
   std::string coordinator = "localhost:50051";
   std::string job_id;
-  // Bearer token for the coordinator's worker API (empty: none).
-  std::string job_token;
+  // Files of the coordinator's worker-API credentials: the job token (empty:
+  // HSDP_JOB_TOKEN_FILE, else HSDP_JOB_TOKEN, else none), and TLS — the
+  // coordinator's CA and, for mutual TLS, this worker's certificate and key
+  // (empty: plaintext).
+  std::string job_token_file;
+  std::string tls_ca;
+  std::string tls_client_cert;
+  std::string tls_client_key;
   std::optional<int> rank_hint;
   // "cpu" or "cuda:N".
   std::string device = "cpu";

@@ -2,7 +2,6 @@
 
 #include <CLI/CLI.hpp>
 #include <cstdlib>
-#include <fstream>
 #include <iostream>
 #include <map>
 #include <optional>
@@ -10,7 +9,6 @@
 #include <string>
 #include <vector>
 
-#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
@@ -64,22 +62,6 @@ int Fail(const std::string& program, const std::string& message) {
   return kExitFailure;
 }
 
-// The job token: HSDP_JOB_TOKEN, else the first line of --job-token-file.
-absl::StatusOr<std::string> ReadToken(const std::string& path) {
-  if (path.empty()) {
-    const char* token = Env("HSDP_JOB_TOKEN");
-    return token == nullptr ? std::string() : std::string(token);
-  }
-  std::ifstream in(path);
-  if (!in) {
-    return absl::NotFoundError(
-        absl::StrCat("--job-token-file: cannot read '", path, "'"));
-  }
-  std::string token;
-  std::getline(in, token);
-  return std::string(absl::StripAsciiWhitespace(token));
-}
-
 }  // namespace
 
 int WorkerMain(int argc, char** argv, const TaskFactory& factory) {
@@ -92,7 +74,6 @@ int WorkerMain(int argc, char** argv, const TaskFactory& factory) {
   double weight_decay = -1;
   bool reference = false;
   std::string optimizer = "adamw", lr_schedule = "constant";
-  std::string token_file;
   std::vector<std::string> task_options;
 
   CLI::App app{absl::StrCat(program,
@@ -101,9 +82,18 @@ int WorkerMain(int argc, char** argv, const TaskFactory& factory) {
   app.add_option("--coordinator", w.coordinator, "coordinator HOST:PORT")
       ->envname("HSDP_COORDINATOR");
   app.add_option("--job-id", w.job_id, "job id")->envname("HSDP_JOB_ID");
-  app.add_option("--job-token-file", token_file,
-                 "file holding the job's worker token (else HSDP_JOB_TOKEN)")
-      ->envname("HSDP_JOB_TOKEN_FILE");
+  app.add_option("--job-token-file", w.job_token_file,
+                 "file holding the job's worker token (else HSDP_JOB_TOKEN_FILE, "
+                 "else HSDP_JOB_TOKEN)");
+  app.add_option("--tls-ca", w.tls_ca,
+                 "PEM CA of the coordinator's certificate (TLS)")
+      ->envname("HSDP_TLS_CA");
+  app.add_option("--tls-client-cert", w.tls_client_cert,
+                 "this worker's PEM certificate (mutual TLS)")
+      ->envname("HSDP_TLS_CLIENT_CERT");
+  app.add_option("--tls-client-key", w.tls_client_key,
+                 "this worker's PEM private key (mutual TLS)")
+      ->envname("HSDP_TLS_CLIENT_KEY");
   app.add_option("--rank-hint", rank_hint,
                  "preferred rank (else RANK, else the ordinal suffix of "
                  "POD_NAME/HOSTNAME)")
@@ -256,9 +246,6 @@ int WorkerMain(int argc, char** argv, const TaskFactory& factory) {
     return s.ok() ? 0 : Fail(program, std::string(s.message()));
   }
 
-  absl::StatusOr<std::string> token = ReadToken(token_file);
-  if (!token.ok()) return Fail(program, std::string(token.status().message()));
-  w.job_token = *token;
   if (rank_hint >= 0) {
     w.rank_hint = rank_hint;
   } else {

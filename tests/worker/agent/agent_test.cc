@@ -41,7 +41,7 @@ class FakeCoordinator final : public CoordinatorService::Service {
     resp->set_heartbeat_interval_ms(50);
     return grpc::Status::OK;
   }
-  grpc::Status Heartbeat(grpc::ServerContext*, const v1::HeartbeatRequest* req,
+  grpc::Status Heartbeat(grpc::ServerContext*, const v1::HeartbeatRequest*,
                          v1::HeartbeatResponse* resp) override {
     absl::MutexLock lock(&mu_);
     ++heartbeats_;

@@ -29,7 +29,9 @@ TEST(HealPartTest, PartsCoverTheStateAlignedAndBalanced) {
         const ByteRange r = HealPart(total, n, i);
         EXPECT_EQ(r.begin, expect_begin) << total << " " << n << " " << i;
         EXPECT_LE(r.begin, r.end);
-        if (r.end != total) EXPECT_EQ(r.end % kHealPartAlign, 0u);
+        if (r.end != total) {
+          EXPECT_EQ(r.end % kHealPartAlign, 0u);
+        }
         expect_begin = r.end;
         smallest = std::min(smallest, r.size());
         largest = std::max(largest, r.size());

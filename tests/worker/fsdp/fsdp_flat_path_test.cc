@@ -211,7 +211,9 @@ TEST_P(FlatPathTest, FlatEqualsSegmentsBitwise) {
       EXPECT_EQ(shard.segment_calls(), 0) << policies[i].name;
       EXPECT_GT(shard.all_gathers(), 0) << policies[i].name;
       EXPECT_GT(shard.reduce_scatters(), 0) << policies[i].name;
-      if (shape.replicate > 1) EXPECT_GT(replicate.all_reduces(), 0);
+      if (shape.replicate > 1) {
+        EXPECT_GT(replicate.all_reduces(), 0);
+      }
     }
   });
   // The segments path over Gloo TCP only.

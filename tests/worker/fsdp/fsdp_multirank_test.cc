@@ -333,18 +333,23 @@ TEST(StateDictTest, FullAndShardedRoundTrip) {
     ASSERT_TRUE(s.ok()) << s;
     full = FullStateDict(*engine);
     ASSERT_TRUE(full.ok());
-    if (ctx.rank == 0) EXPECT_TRUE(BitwiseEqual(*full, other));
+    if (ctx.rank == 0) {
+      EXPECT_TRUE(BitwiseEqual(*full, other));
+    }
     ASSERT_TRUE(LoadShardedStateDict(*engine, sharded).ok());
     full = FullStateDict(*engine);
     ASSERT_TRUE(full.ok());
-    if (ctx.rank == 0) EXPECT_TRUE(BitwiseEqual(*full, init));
+    if (ctx.rank == 0) {
+      EXPECT_TRUE(BitwiseEqual(*full, init));
+    }
     // A bad dict fails on every rank instead of hanging the others.
     StateDict bad = other;
     bad.erase("head.weight");
     s = LoadFullStateDict(*engine, ctx.rank == 0 ? bad : StateDict());
     EXPECT_FALSE(s.ok());
-    if (ctx.rank == 0)
+    if (ctx.rank == 0) {
       EXPECT_NE(s.message().find("head.weight"), std::string::npos) << s;
+    }
   });
 }
 

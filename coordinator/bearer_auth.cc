@@ -1,0 +1,33 @@
+#include "coordinator/bearer_auth.h"
+
+#include <grpcpp/server_context.h>
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "common/token.h"
+
+namespace hsdp::coordinator {
+
+BearerAuth::BearerAuth(const std::string& token, std::string what)
+    : expected_(token.empty() ? "" : absl::StrCat(kBearerPrefix, token)),
+      what_(std::move(what)) {}
+
+absl::Status BearerAuth::Check(const grpc::ServerContext& context) const {
+  if (expected_.empty()) return absl::OkStatus();
+  const auto& metadata = context.client_metadata();
+  auto it = metadata.find(kAuthorizationMetadata);
+  if (it == metadata.end()) {
+    return absl::UnauthenticatedError(
+        absl::StrCat("missing '", kAuthorizationMetadata, ": Bearer <", what_,
+                     ">' metadata"));
+  }
+  if (!ConstantTimeEquals(
+          absl::string_view(it->second.data(), it->second.size()), expected_)) {
+    return absl::UnauthenticatedError(absl::StrCat("invalid ", what_));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace hsdp::coordinator

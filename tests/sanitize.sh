@@ -1,0 +1,134 @@
+#!/usr/bin/env bash
+# Sanitizer, thread-safety and fuzz builds of hsdp, each in its own build directory.
+#
+#   tests/sanitize.sh CONFIG...     CONFIG: asan | tsan | thread-safety | fuzz | all
+#
+#   asan           GCC, ASan + UBSan (-fsanitize=address,undefined; any UBSan finding aborts),
+#                  the whole tree in build-asan, then the fast test set (ctest -LE slow). CI runs
+#                  this after ./deploy/test.sh.
+#   tsan           GCC, TSan, the whole tree in build-tsan, then the coordinator, agent,
+#                  communicator and engine tests (labels coordinator|comm|fsdp|worker, no slow or
+#                  e2e). Abseil's Mutex is annotated for TSan by tests/tsan/absl_mutex_tsan.cc;
+#                  what is suppressed, and why, is in tests/tsan/suppressions.txt.
+#   thread-safety  clang, -Wthread-safety as errors over every target (build-thread-safety):
+#                  checks the ABSL_GUARDED_BY / ABSL_*_LOCKS_REQUIRED annotations. Compile only.
+#   fuzz           clang, libFuzzer + ASan + UBSan, the fuzz targets of tests/fuzz (build-fuzz),
+#                  each run for FUZZ_SECONDS (default 60) from its seed corpus. A crash input is
+#                  kept in build-fuzz/artifacts/<target>/ and the run fails; fix it and copy the
+#                  input into tests/fuzz/crashes/<target>/, where the fuzz_replay tests replay it.
+#   all            all of the above, in that order.
+#
+# Environment: HSDP_SANITIZE_JOBS (build and test parallelism, default nproc), FUZZ_SECONDS,
+# HSDP_SANITIZE_CTEST_ARGS (extra ctest arguments, e.g. "-R Kv").
+# Each configuration prints how long its build and its tests took.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root="$PWD"
+jobs="${HSDP_SANITIZE_JOBS:-$(nproc)}"
+fuzz_seconds="${FUZZ_SECONDS:-60}"
+
+usage() {
+  sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'
+  exit 2
+}
+[ $# -ge 1 ] || usage
+
+timed() {
+  local what="$1"
+  shift
+  local start=$SECONDS
+  "$@"
+  echo "sanitize: $what took $((SECONDS - start)) s"
+}
+
+configure() {
+  local dir="$1"
+  shift
+  mkdir -p "$root/$dir"
+  cmake -S "$root" -B "$root/$dir" -G Ninja "$@" >"$root/$dir/configure.log" 2>&1 || {
+    cat "$root/$dir/configure.log"
+    return 1
+  }
+}
+
+run_asan() {
+  configure build-asan -DCMAKE_CXX_COMPILER=g++ -DHSDP_SANITIZE=address,undefined
+  timed "asan build" cmake --build build-asan -j "$jobs"
+  # Leaks: checked (LeakSanitizer), with the few one-time allocations of the dependencies that
+  # live until exit suppressed in tests/sanitize/lsan.supp. Stack use after return is checked too.
+  # shellcheck disable=SC2086
+  timed "asan tests (ctest -LE slow)" env \
+    ASAN_OPTIONS="abort_on_error=1:detect_leaks=1:detect_stack_use_after_return=1:strict_string_checks=1:check_initialization_order=1" \
+    LSAN_OPTIONS="suppressions=$root/tests/sanitize/lsan.supp:print_suppressions=0" \
+    UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:suppressions=$root/tests/sanitize/ubsan.supp" \
+    ctest --test-dir build-asan --output-on-failure -j "$jobs" -LE slow ${HSDP_SANITIZE_CTEST_ARGS:-}
+}
+
+run_tsan() {
+  configure build-tsan -DCMAKE_CXX_COMPILER=g++ -DHSDP_SANITIZE=thread -DHSDP_BUILD_BENCH=OFF
+  timed "tsan build" cmake --build build-tsan -j "$jobs"
+  # TSan's shadow memory needs the address layout it was built for: without ASLR it always gets
+  # it (newer kernels randomise mmap bases more than GCC 12's TSan runtime allows).
+  local norandom=()
+  if command -v setarch >/dev/null; then norandom=(setarch "$(uname -m)" -R); fi
+  # shellcheck disable=SC2086
+  timed "tsan tests" env \
+    TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$root/tests/tsan/suppressions.txt" \
+    "${norandom[@]}" \
+    ctest --test-dir build-tsan --output-on-failure -j "$jobs" \
+    -L 'coordinator|comm|fsdp|worker' -LE 'slow|e2e' ${HSDP_SANITIZE_CTEST_ARGS:-}
+}
+
+run_thread_safety() {
+  configure build-thread-safety -DCMAKE_CXX_COMPILER=clang++ -DHSDP_THREAD_SAFETY=ON
+  timed "thread-safety build (clang -Wthread-safety -Werror)" \
+    cmake --build build-thread-safety -j "$jobs"
+}
+
+run_fuzz() {
+  configure build-fuzz -DCMAKE_CXX_COMPILER=clang++ -DHSDP_BUILD_WORKER=OFF -DHSDP_BUILD_BENCH=OFF \
+    -DHSDP_BUILD_FUZZ=ON -DHSDP_SANITIZE=address,undefined
+  local targets=(policy_fuzz job_file_fuzz coordinator_service_fuzz)
+  timed "fuzz build" cmake --build build-fuzz -j "$jobs" --target "${targets[@]}"
+  local failed=0 t
+  for t in "${targets[@]}"; do
+    local work="$root/build-fuzz/corpus/$t" artifacts="$root/build-fuzz/artifacts/$t"
+    mkdir -p "$work" "$artifacts"
+    echo "sanitize: fuzzing $t for ${fuzz_seconds} s"
+    # New inputs go to the work corpus (first directory); the seeds in the tree stay as they are.
+    # -close_fd_mask=3: the targets' own stdout/stderr (usage errors, printed configs) is noise.
+    if ASAN_OPTIONS="abort_on_error=1:detect_leaks=1" \
+      UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1" \
+      "$root/build-fuzz/fuzz/$t" -max_total_time="$fuzz_seconds" -print_final_stats=1 \
+      -close_fd_mask=3 -timeout=10 -rss_limit_mb=4096 -artifact_prefix="$artifacts/" \
+      "$work" "$root/tests/fuzz/corpus/$t" >"$root/build-fuzz/$t.log" 2>&1; then
+      local runs speed
+      runs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$root/build-fuzz/$t.log")
+      speed=$(sed -n 's/^stat::average_exec_per_sec: *//p' "$root/build-fuzz/$t.log")
+      echo "sanitize: $t: ${runs:-?} runs, ${speed:-?} exec/s, no crash"
+    else
+      failed=1
+      tail -40 "$root/build-fuzz/$t.log"
+      echo "sanitize: $t FOUND A CRASH: input in $artifacts/ (log build-fuzz/$t.log);" \
+        "fix it and add the input to tests/fuzz/crashes/$t/"
+    fi
+  done
+  return "$failed"
+}
+
+configs=()
+for c in "$@"; do
+  case "$c" in
+  asan | tsan | thread-safety | fuzz) configs+=("$c") ;;
+  all) configs+=(asan tsan thread-safety fuzz) ;;
+  -h | --help) usage ;;
+  *)
+    echo "sanitize: unknown configuration '$c'" >&2
+    usage
+    ;;
+  esac
+done
+for c in "${configs[@]}"; do
+  echo "sanitize: === $c ==="
+  timed "$c (total)" "run_${c//-/_}"
+done
