@@ -19,16 +19,6 @@ namespace {
 
 constexpr char kAuthorizationHeader[] = "authorization";
 
-// Compares without an early exit, so the time taken does not reveal how much of
-// a guessed token was right.
-bool ConstantTimeEquals(absl::string_view a, absl::string_view b) {
-  unsigned char diff = a.size() == b.size() ? 0 : 1;
-  const size_t n = std::min(a.size(), b.size());
-  for (size_t i = 0; i < n; ++i)
-    diff |= static_cast<unsigned char>(a[i] ^ b[i]);
-  return diff == 0;
-}
-
 absl::Status UnknownFieldsError(const google::protobuf::Message& message,
                                 absl::string_view path) {
   const google::protobuf::UnknownFieldSet& fields =
@@ -50,27 +40,71 @@ absl::Status CheckNoUnknownFields(const hsdp::v1::Policy& policy) {
   return absl::OkStatus();
 }
 
+void FillStatus(const CoordinatorCore& core,
+                hsdp::v1::GetStatusResponse* response) {
+  const Membership& m = *core.membership;
+  const ScheduleLog& log = *core.schedule_log;
+  response->set_job_id(m.job_id());
+  response->set_state(m.job_state());
+  response->set_world_size(m.world_size());
+  *response->mutable_mesh() = MeshToProto(m.mesh());
+  response->set_workers_alive(m.workers_alive());
+  response->set_generation(m.generation());
+  response->set_sealed_step(log.sealed_step());
+  response->set_policy_version(log.CurrentPolicy().version);
+  response->set_last_checkpoint_step(log.last_checkpoint_step());
+  response->set_drain_step(log.drain_step());
+  response->set_model(m.model());
+  response->set_unit_count(static_cast<int32_t>(m.units().size()));
+  response->set_dashboard_url(core.dashboard_url);
+}
+
+void FillWorkers(const CoordinatorCore& core,
+                 hsdp::v1::ListWorkersResponse* response) {
+  for (const WorkerSnapshot& w : core.membership->Workers()) {
+    hsdp::v1::WorkerInfo* info = response->add_workers();
+    info->set_rank(w.rank);
+    info->set_state(w.state);
+    info->set_hostname(w.hostname);
+    info->set_device(w.device);
+    info->set_replicate_index(w.coord.replicate_index);
+    info->set_shard_index(w.coord.shard_index);
+    info->set_heartbeat_age_ms(absl::ToInt64Milliseconds(w.heartbeat_age));
+    hsdp::v1::StepReport report;
+    if (core.reports->Latest(w.rank, &report))
+      *info->mutable_last_report() = report;
+  }
+}
+
+void FillPolicy(const CoordinatorCore& core,
+                hsdp::v1::GetPolicyResponse* response) {
+  PolicyInfo current = core.schedule_log->CurrentPolicy();
+  *response->mutable_policy() = std::move(current.policy);
+  response->set_policy_version(current.version);
+  response->set_effective_step(current.effective_step);
+}
+
+absl::StatusOr<PolicyInfo> ApplyPolicy(const CoordinatorCore& core,
+                                       const hsdp::v1::Policy& policy) {
+  HSDP_RETURN_IF_ERROR(CheckNoUnknownFields(policy));
+  HSDP_ASSIGN_OR_RETURN(PolicyInfo applied,
+                        core.schedule_log->SetPolicy(policy));
+  core.metrics->SetPolicyVersion(applied.version);
+  std::cerr << "hsdp-coordinator: policy version " << applied.version
+            << " applies from step " << applied.effective_step << "\n";
+  return applied;
+}
+
 ControlServiceImpl::ControlServiceImpl(CoordinatorCore core,
                                        std::string control_token)
-    : core_(core),
-      expected_authorization_(
-          control_token.empty() ? "" : absl::StrCat("Bearer ", control_token)) {
-}
+    : core_(core), token_(control_token) {}
 
 absl::Status ControlServiceImpl::Authenticate(
     const grpc::ServerContext& context) const {
-  if (expected_authorization_.empty()) return absl::OkStatus();
   const auto& metadata = context.client_metadata();
   auto it = metadata.find(kAuthorizationHeader);
-  if (it == metadata.end()) {
-    return absl::UnauthenticatedError(
-        "missing 'authorization: Bearer <token>' metadata");
-  }
-  const absl::string_view got(it->second.data(), it->second.size());
-  if (!ConstantTimeEquals(got, expected_authorization_)) {
-    return absl::UnauthenticatedError("invalid control token");
-  }
-  return absl::OkStatus();
+  if (it == metadata.end()) return token_.Check(std::nullopt);
+  return token_.Check(absl::string_view(it->second.data(), it->second.size()));
 }
 
 grpc::Status ControlServiceImpl::GetStatus(
@@ -79,20 +113,7 @@ grpc::Status ControlServiceImpl::GetStatus(
   return ServeTracked(core_.calls, [&]() -> absl::Status {
     // First, so an unauthenticated call reads or changes nothing.
     HSDP_RETURN_IF_ERROR(Authenticate(*context));
-    const Membership& m = *core_.membership;
-    const ScheduleLog& log = *core_.schedule_log;
-    response->set_job_id(m.job_id());
-    response->set_state(m.job_state());
-    response->set_world_size(m.world_size());
-    *response->mutable_mesh() = MeshToProto(m.mesh());
-    response->set_workers_alive(m.workers_alive());
-    response->set_generation(m.generation());
-    response->set_sealed_step(log.sealed_step());
-    response->set_policy_version(log.CurrentPolicy().version);
-    response->set_last_checkpoint_step(log.last_checkpoint_step());
-    response->set_drain_step(log.drain_step());
-    response->set_model(m.model());
-    response->set_unit_count(static_cast<int32_t>(m.units().size()));
+    FillStatus(core_, response);
     return absl::OkStatus();
   });
 }
@@ -104,19 +125,7 @@ grpc::Status ControlServiceImpl::ListWorkers(
   return ServeTracked(core_.calls, [&]() -> absl::Status {
     // First, so an unauthenticated call reads or changes nothing.
     HSDP_RETURN_IF_ERROR(Authenticate(*context));
-    for (const WorkerSnapshot& w : core_.membership->Workers()) {
-      hsdp::v1::WorkerInfo* info = response->add_workers();
-      info->set_rank(w.rank);
-      info->set_state(w.state);
-      info->set_hostname(w.hostname);
-      info->set_device(w.device);
-      info->set_replicate_index(w.coord.replicate_index);
-      info->set_shard_index(w.coord.shard_index);
-      info->set_heartbeat_age_ms(absl::ToInt64Milliseconds(w.heartbeat_age));
-      hsdp::v1::StepReport report;
-      if (core_.reports->Latest(w.rank, &report))
-        *info->mutable_last_report() = report;
-    }
+    FillWorkers(core_, response);
     return absl::OkStatus();
   });
 }
@@ -127,10 +136,7 @@ grpc::Status ControlServiceImpl::GetPolicy(
   return ServeTracked(core_.calls, [&]() -> absl::Status {
     // First, so an unauthenticated call reads or changes nothing.
     HSDP_RETURN_IF_ERROR(Authenticate(*context));
-    PolicyInfo current = core_.schedule_log->CurrentPolicy();
-    *response->mutable_policy() = std::move(current.policy);
-    response->set_policy_version(current.version);
-    response->set_effective_step(current.effective_step);
+    FillPolicy(core_, response);
     return absl::OkStatus();
   });
 }
@@ -143,14 +149,10 @@ grpc::Status ControlServiceImpl::SetPolicy(
     HSDP_RETURN_IF_ERROR(Authenticate(*context));
     if (!request->has_policy())
       return absl::InvalidArgumentError("policy: missing");
-    HSDP_RETURN_IF_ERROR(CheckNoUnknownFields(request->policy()));
     HSDP_ASSIGN_OR_RETURN(PolicyInfo applied,
-                          core_.schedule_log->SetPolicy(request->policy()));
+                          ApplyPolicy(core_, request->policy()));
     response->set_policy_version(applied.version);
     response->set_effective_step(applied.effective_step);
-    core_.metrics->SetPolicyVersion(applied.version);
-    std::cerr << "hsdp-coordinator: policy version " << applied.version
-              << " applies from step " << applied.effective_step << "\n";
     return absl::OkStatus();
   });
 }

@@ -13,6 +13,7 @@
 #define HSDP_COORDINATOR_COORDINATOR_SERVICE_H_
 
 #include <map>
+#include <string>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -102,6 +103,8 @@ struct CoordinatorCore {
   Metrics* metrics = nullptr;
   ReportBook* reports = nullptr;
   CallTracker* calls = nullptr;
+  // Where the dashboard is served ("" when it is not), for GetStatus.
+  std::string dashboard_url;
 };
 
 // Runs a handler body (returning absl::Status) as one tracked call and

@@ -228,6 +228,8 @@ absl::Status Status(ControlClient& client, const GlobalOptions& g,
         t.Add({"drain step", StepOrNone(r.drain_step())});
         t.Add({"model", r.model().empty() ? "-" : r.model()});
         t.Add({"units", std::to_string(r.unit_count())});
+        t.Add(
+            {"dashboard", r.dashboard_url().empty() ? "-" : r.dashboard_url()});
         t.Print(out);
       });
 }
