@@ -27,7 +27,7 @@ absl::Status ControlToken::Check(
   if (expected_.empty()) return absl::OkStatus();
   if (!authorization.has_value()) {
     return absl::UnauthenticatedError(
-        "missing 'authorization: Bearer <token>' metadata");
+        "no control token: send 'authorization: Bearer <token>'");
   }
   if (!ConstantTimeEquals(*authorization, expected_)) {
     return absl::UnauthenticatedError("invalid control token");
