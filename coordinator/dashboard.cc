@@ -136,9 +136,9 @@ void FillUnits(const CoordinatorCore& core,
 std::string DashboardUrl(const std::string& listen, int port,
                          const std::string& override_url) {
   if (!override_url.empty()) return override_url;
+  // "PORT" alone (civetweb's form for every address) has no host either.
   const size_t colon = listen.rfind(':');
-  std::string host =
-      colon == std::string::npos ? listen : listen.substr(0, colon);
+  std::string host = colon == std::string::npos ? "" : listen.substr(0, colon);
   if (IsWildcardHost(host)) host = HostName();
   return absl::StrCat("http://", host, ":", port, "/");
 }

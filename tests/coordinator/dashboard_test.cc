@@ -336,33 +336,33 @@ TEST_F(DashboardTest, GetStatusAndHsdpctlShowTheUrl) {
       << out.str();
 }
 
-TEST(DashboardOffTest, NoMetricsAddressServesNoDashboard) {
+// A one-rank coordinator with these serving options (loopback gRPC).
+std::unique_ptr<CoordinatorServer> StartOneRank(ServerOptions options) {
   JobConfig job;
   job.job_id = kJob;
   job.world_size = 1;
   job.mesh = MeshShape{1, 1};
-  ServerOptions options;
   options.listen = "127.0.0.1:0";
   options.sync_state = false;
   auto server = CoordinatorServer::Start(job, options);
-  ASSERT_TRUE(server.ok()) << server.status();
-  EXPECT_EQ((*server)->metrics_port(), 0);
-  EXPECT_EQ((*server)->dashboard_url(), "");
+  EXPECT_TRUE(server.ok()) << server.status();
+  return server.ok() ? *std::move(server) : nullptr;
+}
+
+TEST(DashboardOffTest, NoMetricsAddressServesNoDashboard) {
+  std::unique_ptr<CoordinatorServer> server = StartOneRank({});
+  ASSERT_NE(server, nullptr);
+  EXPECT_EQ(server->metrics_port(), 0);
+  EXPECT_EQ(server->dashboard_url(), "");
 }
 
 TEST(DashboardOffTest, AnOverrideUrlIsReportedAsGiven) {
-  JobConfig job;
-  job.job_id = kJob;
-  job.world_size = 1;
-  job.mesh = MeshShape{1, 1};
   ServerOptions options;
-  options.listen = "127.0.0.1:0";
   options.metrics_listen = "127.0.0.1:0";
   options.dashboard_url = "https://hsdp.example/jobs/dash/";
-  options.sync_state = false;
-  auto server = CoordinatorServer::Start(job, options);
-  ASSERT_TRUE(server.ok()) << server.status();
-  EXPECT_EQ((*server)->dashboard_url(), "https://hsdp.example/jobs/dash/");
+  std::unique_ptr<CoordinatorServer> server = StartOneRank(options);
+  ASSERT_NE(server, nullptr);
+  EXPECT_EQ(server->dashboard_url(), "https://hsdp.example/jobs/dash/");
 }
 
 }  // namespace

@@ -227,6 +227,7 @@ TEST(DashboardUrlTest, NamesAnAddressABrowserCanOpen) {
   EXPECT_EQ(DashboardUrl("0.0.0.0:9090", 9090, ""), want);
   EXPECT_EQ(DashboardUrl("[::]:9090", 9090, ""), want);
   EXPECT_EQ(DashboardUrl(":9090", 9090, ""), want);
+  EXPECT_EQ(DashboardUrl("9090", 9090, ""), want);
 }
 
 }  // namespace
