@@ -15,16 +15,21 @@ BearerAuth::BearerAuth(const std::string& token, std::string what)
       what_(std::move(what)) {}
 
 absl::Status BearerAuth::Check(const grpc::ServerContext& context) const {
-  if (expected_.empty()) return absl::OkStatus();
   const auto& metadata = context.client_metadata();
   auto it = metadata.find(kAuthorizationMetadata);
-  if (it == metadata.end()) {
+  if (it == metadata.end()) return Check(std::nullopt);
+  return Check(absl::string_view(it->second.data(), it->second.size()));
+}
+
+absl::Status BearerAuth::Check(
+    std::optional<absl::string_view> authorization) const {
+  if (expected_.empty()) return absl::OkStatus();
+  if (!authorization.has_value()) {
     return absl::UnauthenticatedError(
         absl::StrCat("missing '", kAuthorizationMetadata, ": Bearer <", what_,
                      ">' metadata"));
   }
-  if (!ConstantTimeEquals(
-          absl::string_view(it->second.data(), it->second.size()), expected_)) {
+  if (!ConstantTimeEquals(*authorization, expected_)) {
     return absl::UnauthenticatedError(absl::StrCat("invalid ", what_));
   }
   return absl::OkStatus();

@@ -4,9 +4,11 @@
 #ifndef HSDP_COORDINATOR_BEARER_AUTH_H_
 #define HSDP_COORDINATOR_BEARER_AUTH_H_
 
+#include <optional>
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 
 namespace grpc {
 class ServerContext;
@@ -28,6 +30,9 @@ class BearerAuth {
   // OK, or UNAUTHENTICATED saying whether the metadata was missing or wrong
   // (never echoing what was sent). The comparison takes constant time.
   absl::Status Check(const grpc::ServerContext& context) const;
+  // The same check on an HTTP Authorization header's value (nullopt when the
+  // header is absent), for the dashboard.
+  absl::Status Check(std::optional<absl::string_view> authorization) const;
 
  private:
   // "Bearer <token>", or empty.

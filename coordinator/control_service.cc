@@ -39,6 +39,77 @@ absl::Status CheckNoUnknownFields(const hsdp::v1::Policy& policy) {
   return absl::OkStatus();
 }
 
+void FillStatus(const CoordinatorCore& core,
+                hsdp::v1::GetStatusResponse* response) {
+  const Membership& m = *core.membership;
+  const ScheduleLog& log = *core.schedule_log;
+  const MembershipStatus elastic = m.Status();
+  response->set_job_id(m.job_id());
+  response->set_state(elastic.job_state);
+  response->set_world_size(m.world_size());
+  *response->mutable_mesh() = MeshToProto(m.mesh());
+  response->set_workers_alive(elastic.members_alive);
+  response->set_generation(elastic.generation);
+  response->set_message(elastic.message);
+  response->set_last_committed_step(elastic.last_committed_step);
+  response->set_replicas(elastic.replicas);
+  response->set_min_replicas(m.options().min_replicas);
+  response->set_workers_standby(elastic.standby);
+  response->set_workers_joining(elastic.joining);
+  response->set_failures(elastic.failures);
+  if (elastic.last_failure.has_value()) {
+    *response->mutable_last_failure() = *elastic.last_failure;
+  }
+  response->set_sealed_step(log.sealed_step());
+  response->set_policy_version(log.CurrentPolicy().version);
+  response->set_last_checkpoint_step(log.last_checkpoint_step());
+  response->set_drain_step(log.drain_step());
+  response->set_model(m.model());
+  response->set_unit_count(static_cast<int32_t>(m.units().size()));
+  if (auto training = m.training()) *response->mutable_training() = *training;
+  response->set_dashboard_url(core.dashboard_url);
+}
+
+void FillWorkers(const CoordinatorCore& core,
+                 hsdp::v1::ListWorkersResponse* response) {
+  for (const WorkerSnapshot& w : core.membership->Workers()) {
+    hsdp::v1::WorkerInfo* info = response->add_workers();
+    info->set_worker_id(w.worker_id);
+    info->set_rank(w.rank);
+    info->set_state(w.state);
+    info->set_hostname(w.hostname);
+    info->set_device(w.device);
+    info->set_replicate_index(w.rank >= 0 ? w.coord.replicate_index : -1);
+    info->set_shard_index(w.rank >= 0 ? w.coord.shard_index : -1);
+    info->set_heartbeat_age_ms(absl::ToInt64Milliseconds(w.heartbeat_age));
+    info->set_generation(w.generation);
+    info->set_role(w.role);
+    for (const auto& event : w.history) *info->add_history() = event;
+    hsdp::v1::StepReport report;
+    if (core.reports->Latest(w.worker_id, &report))
+      *info->mutable_last_report() = report;
+  }
+}
+
+void FillPolicy(const CoordinatorCore& core,
+                hsdp::v1::GetPolicyResponse* response) {
+  PolicyInfo current = core.schedule_log->CurrentPolicy();
+  *response->mutable_policy() = std::move(current.policy);
+  response->set_policy_version(current.version);
+  response->set_effective_step(current.effective_step);
+}
+
+absl::StatusOr<PolicyInfo> ApplyPolicy(const CoordinatorCore& core,
+                                       const hsdp::v1::Policy& policy) {
+  HSDP_RETURN_IF_ERROR(CheckNoUnknownFields(policy));
+  HSDP_ASSIGN_OR_RETURN(PolicyInfo applied,
+                        core.schedule_log->SetPolicy(policy));
+  core.metrics->SetPolicyVersion(applied.version);
+  std::cerr << "hsdp-coordinator: policy version " << applied.version
+            << " applies from step " << applied.effective_step << "\n";
+  return applied;
+}
+
 ControlServiceImpl::ControlServiceImpl(CoordinatorCore core,
                                        const std::string& control_token)
     : core_(core), auth_(control_token, "control token") {}
@@ -54,32 +125,7 @@ grpc::Status ControlServiceImpl::GetStatus(
   return ServeTracked(core_.calls, [&]() -> absl::Status {
     // First, so an unauthenticated call reads or changes nothing.
     HSDP_RETURN_IF_ERROR(Authenticate(*context));
-    const Membership& m = *core_.membership;
-    const ScheduleLog& log = *core_.schedule_log;
-    const MembershipStatus elastic = m.Status();
-    response->set_job_id(m.job_id());
-    response->set_state(elastic.job_state);
-    response->set_world_size(m.world_size());
-    *response->mutable_mesh() = MeshToProto(m.mesh());
-    response->set_workers_alive(elastic.members_alive);
-    response->set_generation(elastic.generation);
-    response->set_message(elastic.message);
-    response->set_last_committed_step(elastic.last_committed_step);
-    response->set_replicas(elastic.replicas);
-    response->set_min_replicas(m.options().min_replicas);
-    response->set_workers_standby(elastic.standby);
-    response->set_workers_joining(elastic.joining);
-    response->set_failures(elastic.failures);
-    if (elastic.last_failure.has_value()) {
-      *response->mutable_last_failure() = *elastic.last_failure;
-    }
-    response->set_sealed_step(log.sealed_step());
-    response->set_policy_version(log.CurrentPolicy().version);
-    response->set_last_checkpoint_step(log.last_checkpoint_step());
-    response->set_drain_step(log.drain_step());
-    response->set_model(m.model());
-    response->set_unit_count(static_cast<int32_t>(m.units().size()));
-    if (auto training = m.training()) *response->mutable_training() = *training;
+    FillStatus(core_, response);
     return absl::OkStatus();
   });
 }
@@ -91,23 +137,7 @@ grpc::Status ControlServiceImpl::ListWorkers(
   return ServeTracked(core_.calls, [&]() -> absl::Status {
     // First, so an unauthenticated call reads or changes nothing.
     HSDP_RETURN_IF_ERROR(Authenticate(*context));
-    for (const WorkerSnapshot& w : core_.membership->Workers()) {
-      hsdp::v1::WorkerInfo* info = response->add_workers();
-      info->set_worker_id(w.worker_id);
-      info->set_rank(w.rank);
-      info->set_state(w.state);
-      info->set_hostname(w.hostname);
-      info->set_device(w.device);
-      info->set_replicate_index(w.rank >= 0 ? w.coord.replicate_index : -1);
-      info->set_shard_index(w.rank >= 0 ? w.coord.shard_index : -1);
-      info->set_heartbeat_age_ms(absl::ToInt64Milliseconds(w.heartbeat_age));
-      info->set_generation(w.generation);
-      info->set_role(w.role);
-      for (const auto& event : w.history) *info->add_history() = event;
-      hsdp::v1::StepReport report;
-      if (core_.reports->Latest(w.worker_id, &report))
-        *info->mutable_last_report() = report;
-    }
+    FillWorkers(core_, response);
     return absl::OkStatus();
   });
 }
@@ -118,10 +148,7 @@ grpc::Status ControlServiceImpl::GetPolicy(
   return ServeTracked(core_.calls, [&]() -> absl::Status {
     // First, so an unauthenticated call reads or changes nothing.
     HSDP_RETURN_IF_ERROR(Authenticate(*context));
-    PolicyInfo current = core_.schedule_log->CurrentPolicy();
-    *response->mutable_policy() = std::move(current.policy);
-    response->set_policy_version(current.version);
-    response->set_effective_step(current.effective_step);
+    FillPolicy(core_, response);
     return absl::OkStatus();
   });
 }
@@ -134,14 +161,10 @@ grpc::Status ControlServiceImpl::SetPolicy(
     HSDP_RETURN_IF_ERROR(Authenticate(*context));
     if (!request->has_policy())
       return absl::InvalidArgumentError("policy: missing");
-    HSDP_RETURN_IF_ERROR(CheckNoUnknownFields(request->policy()));
     HSDP_ASSIGN_OR_RETURN(PolicyInfo applied,
-                          core_.schedule_log->SetPolicy(request->policy()));
+                          ApplyPolicy(core_, request->policy()));
     response->set_policy_version(applied.version);
     response->set_effective_step(applied.effective_step);
-    core_.metrics->SetPolicyVersion(applied.version);
-    std::cerr << "hsdp-coordinator: policy version " << applied.version
-              << " applies from step " << applied.effective_step << "\n";
     return absl::OkStatus();
   });
 }

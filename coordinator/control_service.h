@@ -7,6 +7,7 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "coordinator/bearer_auth.h"
 #include "coordinator/coordinator_service.h"
 #include "hsdp/v1/control_service.grpc.pb.h"
@@ -17,6 +18,21 @@ namespace hsdp::coordinator {
 // client's fields would otherwise be dropped silently): INVALID_ARGUMENT naming
 // the field number.
 absl::Status CheckNoUnknownFields(const hsdp::v1::Policy& policy);
+
+// The bodies of GetStatus, ListWorkers, GetPolicy and SetPolicy, shared with
+// the dashboard so that both read and change the job the same way. The caller
+// authenticates first.
+void FillStatus(const CoordinatorCore& core,
+                hsdp::v1::GetStatusResponse* response);
+void FillWorkers(const CoordinatorCore& core,
+                 hsdp::v1::ListWorkersResponse* response);
+void FillPolicy(const CoordinatorCore& core,
+                hsdp::v1::GetPolicyResponse* response);
+// Checks `policy` for unknown fields, validates it and applies it from the
+// first unsealed step (ScheduleLog::SetPolicy). Any error leaves the policy
+// unchanged.
+absl::StatusOr<PolicyInfo> ApplyPolicy(const CoordinatorCore& core,
+                                       const hsdp::v1::Policy& policy);
 
 // Thread-safe: all state lives in the (thread-safe) core components; the token
 // is immutable.

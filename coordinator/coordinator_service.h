@@ -108,6 +108,8 @@ struct CoordinatorCore {
   CallTracker* calls = nullptr;
   // Cap on one long poll (in-process fuzzing shortens it).
   absl::Duration max_long_poll = kMaxLongPoll;
+  // Where the dashboard is served ("" when it is not), for GetStatus.
+  std::string dashboard_url;
 };
 
 // Runs a handler body (returning absl::Status) as one tracked call and

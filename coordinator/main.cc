@@ -42,6 +42,8 @@ struct Flags {
   std::string port_file;
   std::string state_dir;
   std::string metrics_listen = "0.0.0.0:9090";
+  std::string dashboard_url;
+  std::string dashboard_url_file;
   double heartbeat_timeout_s = 10;
   int read_ahead = hsdp::coordinator::kDefaultReadAhead;
   int min_replicas = 1;
@@ -122,6 +124,7 @@ absl::StatusOr<ServerOptions> BuildServerOptions(const Flags& f) {
   ServerOptions options;
   options.listen = f.listen;
   options.metrics_listen = f.metrics_listen;
+  options.dashboard_url = f.dashboard_url;
   if (f.tls_cert.empty() != f.tls_key.empty()) {
     return absl::InvalidArgumentError("--tls-cert and --tls-key go together");
   }
@@ -208,8 +211,14 @@ int main(int argc, char** argv) {
                  "Persist state here (survives restarts)")
       ->envname("HSDP_STATE_DIR");
   app.add_option("--metrics-listen", f.metrics_listen,
-                 "Prometheus HOST:PORT (\"\": off)")
+                 "HOST:PORT of /metrics and the dashboard (\"\": off)")
       ->envname("HSDP_METRICS_LISTEN");
+  app.add_option("--dashboard-url", f.dashboard_url,
+                 "Dashboard URL hsdpctl status shows (default: "
+                 "http://HOST:PORT/ of --metrics-listen)")
+      ->envname("HSDP_DASHBOARD_URL");
+  app.add_option("--dashboard-url-file", f.dashboard_url_file,
+                 "Write the dashboard URL to this file");
   app.add_option("--heartbeat-timeout", f.heartbeat_timeout_s,
                  "Seconds before a worker is lost")
       ->envname("HSDP_HEARTBEAT_TIMEOUT");
@@ -290,6 +299,17 @@ int main(int argc, char** argv) {
     std::cerr << "hsdp-coordinator: " << server.status() << "\n";
     return kExitError;
   }
+  // Before the port file: whoever waits for that one finds this one too.
+  if (!f.dashboard_url_file.empty() && !(*server)->dashboard_url().empty()) {
+    absl::Status written = hsdp::coordinator::WriteFileAtomically(
+        f.dashboard_url_file, absl::StrCat((*server)->dashboard_url(), "\n"),
+        /*sync=*/false);
+    if (!written.ok()) {
+      std::cerr << "hsdp-coordinator: --dashboard-url-file: " << written
+                << "\n";
+      return kExitError;
+    }
+  }
   if (!f.port_file.empty()) {
     absl::Status written = hsdp::coordinator::WriteFileAtomically(
         f.port_file, absl::StrCat((*server)->port(), "\n"), /*sync=*/false);
@@ -304,7 +324,8 @@ int main(int argc, char** argv) {
             << (*server)->schedule_log().CurrentPolicy().version
             << ", sealed step " << (*server)->schedule_log().sealed_step();
   if ((*server)->metrics_port() != 0) {
-    std::cerr << ", metrics on port " << (*server)->metrics_port();
+    std::cerr << ", metrics on port " << (*server)->metrics_port()
+              << ", dashboard " << (*server)->dashboard_url();
   }
   std::cerr << "\n";
   if (options->job_token.empty()) {

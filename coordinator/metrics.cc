@@ -1,18 +1,17 @@
 #include "coordinator/metrics.h"
 
 #include <prometheus/counter.h>
-#include <prometheus/exposer.h>
 #include <prometheus/family.h>
 #include <prometheus/gauge.h>
 #include <prometheus/histogram.h>
+#include <prometheus/metric_family.h>
 #include <prometheus/registry.h>
+#include <prometheus/summary.h>
 #include <prometheus/text_serializer.h>
 
-#include <exception>
+#include <chrono>
 #include <string>
-
-#include "absl/status/status.h"
-#include "absl/strings/str_cat.h"
+#include <vector>
 
 namespace hsdp::coordinator {
 namespace {
@@ -40,9 +39,37 @@ const prometheus::Histogram::BucketBoundaries& FailureBuckets() {
   return *buckets;
 }
 
+// The quantiles (and allowed errors) prometheus-cpp's Exposer reports for its
+// request latency.
+const prometheus::Summary::Quantiles& ScrapeLatencyQuantiles() {
+  static const auto* quantiles = new prometheus::Summary::Quantiles{
+      {0.5, 0.05}, {0.9, 0.01}, {0.99, 0.001}};
+  return *quantiles;
+}
+
 }  // namespace
 
-Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
+Metrics::Metrics()
+    : registry_(std::make_shared<prometheus::Registry>()),
+      scrape_registry_(std::make_shared<prometheus::Registry>()) {
+  // Names and help texts as prometheus-cpp's Exposer registers them, so a
+  // dashboard built on the Exposer's /metrics keeps working.
+  scrape_bytes_ = &prometheus::BuildCounter()
+                       .Name("exposer_transferred_bytes_total")
+                       .Help("Transferred bytes to metrics services")
+                       .Register(*scrape_registry_)
+                       .Add({});
+  scrapes_ = &prometheus::BuildCounter()
+                  .Name("exposer_scrapes_total")
+                  .Help("Number of times metrics were scraped")
+                  .Register(*scrape_registry_)
+                  .Add({});
+  scrape_latency_us_ =
+      &prometheus::BuildSummary()
+           .Name("exposer_request_latencies")
+           .Help("Latencies of serving scrape requests, in microseconds")
+           .Register(*scrape_registry_)
+           .Add({}, ScrapeLatencyQuantiles());
   auto& workers = prometheus::BuildGauge()
                       .Name("hsdp_workers")
                       .Help("Workers of the job by state")
@@ -123,24 +150,6 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
 
 Metrics::~Metrics() = default;
 
-absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(
-    const std::string& listen) {
-  std::unique_ptr<Metrics> metrics(new Metrics());
-  if (listen.empty()) return metrics;
-  try {
-    // One serving thread is plenty for a scrape every few seconds.
-    metrics->exposer_ =
-        std::make_unique<prometheus::Exposer>(listen, /*num_threads=*/1);
-  } catch (const std::exception& e) {
-    return absl::UnavailableError(
-        absl::StrCat("metrics: cannot listen on ", listen, ": ", e.what()));
-  }
-  metrics->exposer_->RegisterCollectable(metrics->registry_);
-  const std::vector<int> ports = metrics->exposer_->GetListeningPorts();
-  if (!ports.empty()) metrics->port_ = ports.front();
-  return metrics;
-}
-
 void Metrics::SetWorkerCounts(int alive, int lost, int finished) {
   workers_alive_->Set(alive);
   workers_lost_->Set(lost);
@@ -213,11 +222,30 @@ void Metrics::RecordReport(const hsdp::v1::StepReport& report) {
   gauges.loss->Set(report.loss());
   gauges.peak_memory->Set(static_cast<double>(report.peak_memory_bytes()));
   gauges.last_step->Set(static_cast<double>(report.step()));
+  history_.Record(report);
 }
 
 std::string Metrics::Serialize() const {
   prometheus::TextSerializer serializer;
   return serializer.Serialize(registry_->Collect());
+}
+
+std::string Metrics::Scrape() {
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<prometheus::MetricFamily> families = scrape_registry_->Collect();
+  std::vector<prometheus::MetricFamily> job = registry_->Collect();
+  families.insert(families.end(), std::make_move_iterator(job.begin()),
+                  std::make_move_iterator(job.end()));
+  std::string body = prometheus::TextSerializer().Serialize(families);
+  // Counted after the body is built, as the Exposer does: a scrape reports the
+  // scrapes before it.
+  scrape_latency_us_->Observe(
+      static_cast<double>(std::chrono::duration_cast<std::chrono::microseconds>(
+                              std::chrono::steady_clock::now() - start)
+                              .count()));
+  scrape_bytes_->Increment(static_cast<double>(body.size()));
+  scrapes_->Increment();
+  return body;
 }
 
 }  // namespace hsdp::coordinator

@@ -1,5 +1,6 @@
-// Prometheus metrics of the coordinator, served by prometheus-cpp on their own
-// port so a scrape never competes with the gRPC port.
+// What the coordinator observes of its job: Prometheus metrics (served as
+// /metrics on the metrics port, apart from the gRPC port so a scrape never
+// competes with workers) and the recent steps the dashboard charts.
 #ifndef HSDP_COORDINATOR_METRICS_H_
 #define HSDP_COORDINATOR_METRICS_H_
 
@@ -8,37 +9,32 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "coordinator/step_history.h"
 #include "hsdp/v1/common.pb.h"
 
 namespace prometheus {
-class Exposer;
+class Counter;
 class Registry;
 class Counter;
 class Gauge;
 class Histogram;
+class Summary;
 template <typename T>
 class Family;
 }  // namespace prometheus
 
 namespace hsdp::coordinator {
 
-// Thread-safe: every method may be called from any gRPC handler thread.
-// prometheus-cpp metrics are internally atomic; the per-rank gauge cache is
-// guarded by mu_.
+// Thread-safe: every method may be called from any gRPC or HTTP handler
+// thread. prometheus-cpp metrics are internally atomic; the per-rank gauge
+// cache is guarded by mu_; the history locks itself.
 class Metrics {
  public:
-  // listen "" keeps the registry (for tests and Serialize()) but serves
-  // nothing.
-  static absl::StatusOr<std::unique_ptr<Metrics>> Create(
-      const std::string& listen);
+  Metrics();
   ~Metrics();
   Metrics(const Metrics&) = delete;
   Metrics& operator=(const Metrics&) = delete;
-
-  // Port the exposer bound (useful with port 0), or 0 when not serving.
-  int port() const { return port_; }
 
   void SetWorkerCounts(int alive, int lost, int finished);
   // Workers out of the current generation.
@@ -61,8 +57,24 @@ class Metrics {
   void RecordReport(const hsdp::v1::StepReport& report)
       ABSL_LOCKS_EXCLUDED(mu_);
 
-  // Text exposition format, as a scrape would return it.
+  // The job's metrics in the text exposition format (without the scrape
+  // counters Scrape() adds).
   std::string Serialize() const;
+
+  // One scrape's body: what prometheus-cpp's Exposer serves on /metrics — its
+  // exposer_* families (bytes sent, scrapes, request latency in microseconds),
+  // then the job's — and it counts this scrape in those families, as the
+  // Exposer does.
+  std::string Scrape();
+  // Content-Type of Scrape()'s body.
+  static constexpr char kScrapeContentType[] = "text/plain; charset=utf-8";
+
+  // The registry Serialize() reads (tests compare against prometheus-cpp's
+  // own exposer serving it).
+  std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
+
+  // Every report's step, across ranks, for the dashboard's charts.
+  const StepHistory& history() const { return history_; }
 
  private:
   struct RankGauges {
@@ -72,11 +84,12 @@ class Metrics {
     prometheus::Gauge* last_step = nullptr;
   };
 
-  Metrics();
-
   std::shared_ptr<prometheus::Registry> registry_;
-  std::unique_ptr<prometheus::Exposer> exposer_;
-  int port_ = 0;
+  // The scrape counters, in their own registry as in prometheus-cpp's Exposer.
+  std::shared_ptr<prometheus::Registry> scrape_registry_;
+  prometheus::Counter* scrape_bytes_;
+  prometheus::Counter* scrapes_;
+  prometheus::Summary* scrape_latency_us_;
 
   prometheus::Gauge* workers_alive_;
   prometheus::Gauge* workers_lost_;
@@ -99,6 +112,8 @@ class Metrics {
   prometheus::Family<prometheus::Gauge>* loss_family_;
   prometheus::Family<prometheus::Gauge>* peak_memory_family_;
   prometheus::Family<prometheus::Gauge>* last_step_family_;
+
+  StepHistory history_;
 
   mutable absl::Mutex mu_;
   std::vector<RankGauges> ranks_ ABSL_GUARDED_BY(mu_);

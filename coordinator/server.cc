@@ -16,6 +16,8 @@
 #include "common/status_util.h"
 #include "coordinator/control_service.h"
 #include "coordinator/coordinator_service.h"
+#include "coordinator/dashboard.h"
+#include "coordinator/http_server.h"
 #include "coordinator/kv_store.h"
 #include "coordinator/membership.h"
 #include "coordinator/metrics.h"
@@ -49,8 +51,6 @@ std::string WithPort(const std::string& listen, int port) {
 CoordinatorServer::CoordinatorServer() = default;
 
 CoordinatorServer::~CoordinatorServer() { Shutdown(); }
-
-int CoordinatorServer::metrics_port() const { return metrics_->port(); }
 
 absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
     const JobConfig& job, const ServerOptions& options) {
@@ -102,7 +102,18 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   // Membership; the log does not keep it).
   s->schedule_log_->RecordCommitted(s->membership_->last_committed_step());
   s->kv_store_ = std::make_unique<KvStore>();
-  HSDP_ASSIGN_OR_RETURN(s->metrics_, Metrics::Create(options.metrics_listen));
+  s->metrics_ = std::make_unique<Metrics>();
+  if (!options.metrics_listen.empty()) {
+    HttpServer::Options http_options;
+    http_options.listen = options.metrics_listen;
+    absl::StatusOr<std::unique_ptr<HttpServer>> http =
+        HttpServer::Start(http_options);
+    if (!http.ok()) return AnnotateStatus(http.status(), "metrics");
+    s->http_server_ = *std::move(http);
+    s->metrics_port_ = s->http_server_->port();
+    s->dashboard_url_ = DashboardUrl(options.metrics_listen, s->metrics_port_,
+                                     options.dashboard_url);
+  }
   s->reports_ = std::make_unique<ReportBook>();
   s->calls_ = std::make_unique<CallTracker>();
 
@@ -113,6 +124,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   core.metrics = s->metrics_.get();
   core.reports = s->reports_.get();
   core.calls = s->calls_.get();
+  core.dashboard_url = s->dashboard_url_;
   s->events_ = std::make_unique<CoreEvents>(core);
   s->membership_->SetListener(s->events_.get());
   s->coordinator_service_ = std::make_unique<CoordinatorServiceImpl>(core, options.job_token);
@@ -123,6 +135,17 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
       s->membership_->current_generation().mesh().replicate());
   s->metrics_->SetCommittedStep(s->membership_->last_committed_step());
   s->metrics_->SetPolicyVersion(s->schedule_log_->CurrentPolicy().version);
+  if (s->http_server_ != nullptr) {
+    Metrics* metrics = s->metrics_.get();
+    s->http_server_->Handle("GET", "/metrics", [metrics](const HttpRequest&) {
+      HttpResponse response;
+      response.content_type = Metrics::kScrapeContentType;
+      response.body = metrics->Scrape();
+      return response;
+    });
+    s->dashboard_ = std::make_unique<Dashboard>(core, options.control_token);
+    s->dashboard_->Register(*s->http_server_);
+  }
 
   // Both are process-wide switches read by the next ServerBuilder.
   grpc::EnableDefaultHealthCheckService(true);
@@ -218,6 +241,8 @@ void CoordinatorServer::Shutdown() {
     stop_sweeping_.Notify();
     sweeper_.join();
   }
+  // /metrics and the dashboard answer until the end of the graceful stop.
+  http_server_.reset();
   shut_down_.Notify();
 }
 

@@ -1,6 +1,7 @@
 // Assembles a running coordinator: state store, membership, schedule log,
 // rendezvous store, metrics, and one gRPC server carrying CoordinatorService,
-// ControlService, the gRPC health service (per-service status) and reflection.
+// ControlService, the gRPC health service (per-service status) and reflection;
+// plus, on the metrics port, an HTTP server with /metrics and the dashboard.
 #ifndef HSDP_COORDINATOR_SERVER_H_
 #define HSDP_COORDINATOR_SERVER_H_
 
@@ -27,6 +28,8 @@ class CallTracker;
 class ControlServiceImpl;
 class CoordinatorServiceImpl;
 class CoreEvents;
+class Dashboard;
+class HttpServer;
 class KvStore;
 class Membership;
 class Metrics;
@@ -60,8 +63,12 @@ struct JobConfig {
 struct ServerOptions {
   // HOST:PORT; port 0 picks a free port (see CoordinatorServer::port()).
   std::string listen = "0.0.0.0:50051";
-  // HOST:PORT for Prometheus; empty: no metrics endpoint.
+  // HOST:PORT for /metrics and the dashboard; empty: neither is served.
   std::string metrics_listen;
+  // The dashboard URL GetStatus reports; empty: derived from metrics_listen
+  // (see DashboardUrl). For clusters, where the bound address is not the one
+  // people open.
+  std::string dashboard_url;
   // PEM contents; both set: TLS, both empty: plaintext.
   std::string tls_cert_pem;
   std::string tls_key_pem;
@@ -98,7 +105,9 @@ class CoordinatorServer {
   int port() const { return port_; }
   const std::string& address() const { return address_; }
   // Bound metrics port, or 0.
-  int metrics_port() const;
+  int metrics_port() const { return metrics_port_; }
+  // The dashboard's URL, or "" when there is no metrics port.
+  const std::string& dashboard_url() const { return dashboard_url_; }
 
   // First phase of a graceful stop: health turns NOT_SERVING for every service
   // (probes and load balancers stop sending work), waiting long polls are
@@ -134,9 +143,14 @@ class CoordinatorServer {
   std::unique_ptr<CoreEvents> events_;
   std::unique_ptr<CoordinatorServiceImpl> coordinator_service_;
   std::unique_ptr<ControlServiceImpl> control_service_;
+  std::unique_ptr<Dashboard> dashboard_;
   std::unique_ptr<grpc::Server> server_;
+  // Last, so it stops (waiting for its handlers) before what they use goes.
+  std::unique_ptr<HttpServer> http_server_;
   int port_ = 0;
   std::string address_;
+  int metrics_port_ = 0;
+  std::string dashboard_url_;
   absl::Duration shutdown_deadline_;
 
   absl::Notification stop_sweeping_;

@@ -325,6 +325,8 @@ absl::Status Status(ControlClient& client, const GlobalOptions& g,
         t.Add({"units", std::to_string(r.unit_count())});
         t.Add({"failures", std::to_string(r.failures())});
         if (r.has_last_failure()) t.Add({"last failure", DescribeFailure(r)});
+        t.Add(
+            {"dashboard", r.dashboard_url().empty() ? "-" : r.dashboard_url()});
         if (r.has_training()) AddTrainingRows(r.training(), t);
         t.Print(out);
       });

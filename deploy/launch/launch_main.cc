@@ -8,7 +8,8 @@
 // forwards Ctrl-C / SIGTERM to every child and cleans up, and exits non-zero
 // naming the first worker that failed and why (the last line of its log).
 // Everything a run writes (logs, reports, coordinator state) lands in
-// --run-dir.
+// --run-dir; the coordinator's dashboard URL is printed and written to
+// RUN_DIR/dashboard.url.
 //
 // Single-threaded: the main loop polls children and report files; signal
 // handlers only set a flag.
@@ -195,6 +196,9 @@ struct Options {
   int64_t steps = 100;
   std::string policy_file;
   int port = 0;
+  // /metrics and the dashboard; 0: a free port, -1: none.
+  int metrics_port = 0;
+  std::string control_token_file;
   std::string job_id = "local";
   std::string run_dir;
   std::string bin_dir;
@@ -229,6 +233,14 @@ std::string ProgressLine(const Options& o,
   return absl::StrFormat(
       "step %d/%d  loss %.4f  %.0f tok/s  step %.3fs  peak MiB (params/rss) %s",
       step + 1, o.steps, loss, tps, step_s, absl::StrJoin(mem, " "));
+}
+
+// The first line of `path`, or "" when it cannot be read.
+std::string FirstLine(const std::string& path) {
+  std::ifstream in(path);
+  std::string line;
+  std::getline(in, line);
+  return line;
 }
 
 absl::StatusOr<int> WaitForPort(const std::string& port_file,
@@ -284,6 +296,8 @@ int Run(const Options& o) {
   fs::create_directories(run_dir, ec);
   const std::string port_file = run_dir + "/coordinator.port";
   fs::remove(port_file, ec);
+  const std::string dashboard_file = run_dir + "/dashboard.url";
+  fs::remove(dashboard_file, ec);
   std::cerr << "hsdp-launch: run dir " << run_dir << std::endl;
 
   std::signal(SIGINT, OnSignal);
@@ -313,9 +327,24 @@ int Run(const Options& o) {
                                     "--port-file",
                                     port_file,
                                     "--state-dir",
-                                    run_dir + "/coordinator-state",
-                                    "--metrics-listen",
-                                    ""};
+                                    run_dir + "/coordinator-state"};
+  if (o.metrics_port >= 0) {
+    // The coordinator writes the URL before its port file, so it is there
+    // once WaitForPort returns.
+    for (const std::string& a :
+         {std::string("--metrics-listen"),
+          absl::StrCat("127.0.0.1:", o.metrics_port),
+          std::string("--dashboard-url-file"), dashboard_file}) {
+      cargs.push_back(a);
+    }
+  } else {
+    cargs.push_back("--metrics-listen");
+    cargs.push_back("");
+  }
+  if (!o.control_token_file.empty()) {
+    cargs.push_back("--control-token-file");
+    cargs.push_back(o.control_token_file);
+  }
   if (!o.policy_file.empty()) {
     cargs.push_back("--policy-file");
     cargs.push_back(o.policy_file);
@@ -338,6 +367,10 @@ int Run(const Options& o) {
             << o.workers << " workers, mesh " << hsdp::MeshToString(*mesh)
             << ", model " << o.model << ", " << o.steps << " steps"
             << std::endl;
+  if (o.metrics_port >= 0) {
+    std::cerr << "hsdp-launch: dashboard " << FirstLine(dashboard_file)
+              << std::endl;
+  }
 
   std::vector<std::string> reports;
   for (int r = 0; r < o.workers; ++r) {
@@ -449,6 +482,11 @@ int main(int argc, char** argv) {
   app.add_option("--policy-file", o.policy_file,
                  "initial policy for the coordinator");
   app.add_option("--port", o.port, "coordinator port (0: ephemeral)");
+  app.add_option("--metrics-port", o.metrics_port,
+                 "port of the coordinator's /metrics and dashboard on "
+                 "127.0.0.1 (0: ephemeral, -1: none)");
+  app.add_option("--control-token-file", o.control_token_file,
+                 "bearer token hsdpctl and the dashboard's policy form need");
   app.add_option("--job-id", o.job_id, "job id");
   app.add_option("--run-dir", o.run_dir,
                  "logs, reports and coordinator state (default: a temp dir)");
@@ -477,8 +515,9 @@ int main(int argc, char** argv) {
   }
   for (const std::string& extra : app.remaining())
     o.worker_args.push_back(extra);
-  if (o.workers <= 0 || o.steps < 0 || o.port < 0) {
-    std::cerr << "hsdp-launch: --workers must be > 0, --steps and --port >= 0"
+  if (o.workers <= 0 || o.steps < 0 || o.port < 0 || o.metrics_port < -1) {
+    std::cerr << "hsdp-launch: --workers must be > 0, --steps and --port >= 0, "
+                 "--metrics-port >= -1"
               << std::endl;
     return kExitUsage;
   }

@@ -31,6 +31,7 @@
 #include "coordinator/server.h"
 #include "hsdp/v1/control_service.grpc.pb.h"
 #include "hsdp/v1/coordinator_service.grpc.pb.h"
+#include "tests/coordinator/http_test_client.h"
 #include "tests/coordinator/service_test_util.h"
 
 namespace hsdp::coordinator {
@@ -38,6 +39,7 @@ namespace {
 
 using ::hsdp::testing::Connect;
 using ::hsdp::testing::Ctx;
+using ::hsdp::testing::HttpGet;
 using ::hsdp::testing::MakeJoin;
 using ::hsdp::v1::ControlService;
 using ::hsdp::v1::CoordinatorService;
@@ -887,30 +889,6 @@ TEST_F(ServiceTest, StopServingTurnsHealthNotServingAndReleasesPolls) {
       control_
           ->GetStatus(Ctx(std::chrono::seconds(5), kToken).get(), {}, &status)
           .ok());
-}
-
-// Fetches http://127.0.0.1:port/metrics with a plain socket (no HTTP client is
-// packaged).
-std::string HttpGet(int port, const std::string& path) {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    close(fd);
-    return "";
-  }
-  const std::string request =
-      absl::StrCat("GET ", path,
-                   " HTTP/1.0\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n");
-  (void)write(fd, request.data(), request.size());
-  std::string response;
-  char buf[4096];
-  for (ssize_t n; (n = read(fd, buf, sizeof(buf))) > 0;)
-    response.append(buf, n);
-  close(fd);
-  return response;
 }
 
 TEST_F(ServiceTest, MetricsEndpointServesWorkerAndReportMetrics) {

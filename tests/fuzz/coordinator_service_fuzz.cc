@@ -78,7 +78,7 @@ struct Coordinator {
   // Metrics are only written by the handlers, never read back: one registry
   // serves every input.
   static Metrics* SharedMetrics() {
-    static Metrics* metrics = Metrics::Create("")->release();
+    static Metrics* metrics = new Metrics();
     return metrics;
   }
 
