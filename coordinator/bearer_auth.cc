@@ -14,7 +14,7 @@ BearerAuth::BearerAuth(const std::string& token, std::string what)
     : expected_(token.empty() ? "" : absl::StrCat(kBearerPrefix, token)),
       what_(std::move(what)) {}
 
-absl::Status BearerAuth::Check(const grpc::ServerContext& context) const {
+absl::Status BearerAuth::Check(const grpc::ServerContextBase& context) const {
   const auto& metadata = context.client_metadata();
   auto it = metadata.find(kAuthorizationMetadata);
   if (it == metadata.end()) return Check(std::nullopt);

@@ -14,6 +14,10 @@ namespace grpc {
 class ServerContext;
 }
 
+namespace grpc {
+class ServerContextBase;
+}  // namespace grpc
+
 namespace hsdp::coordinator {
 
 // Immutable after construction, so thread-safe.
@@ -29,7 +33,7 @@ class BearerAuth {
 
   // OK, or UNAUTHENTICATED saying whether the metadata was missing or wrong
   // (never echoing what was sent). The comparison takes constant time.
-  absl::Status Check(const grpc::ServerContext& context) const;
+  absl::Status Check(const grpc::ServerContextBase& context) const;
   // The same check on an HTTP Authorization header's value (nullopt when the
   // header is absent), for the dashboard.
   absl::Status Check(std::optional<absl::string_view> authorization) const;

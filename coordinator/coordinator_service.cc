@@ -302,6 +302,29 @@ grpc::Status CoordinatorServiceImpl::GetSchedule(
   return status;
 }
 
+grpc::ServerWriteReactor<hsdp::v1::WatchSchedulesResponse>*
+CoordinatorServiceImpl::WatchSchedules(
+    grpc::CallbackServerContext* context,
+    const hsdp::v1::WatchSchedulesRequest* request) {
+  // A stream has no Serve(): the same checks, in the same order.
+  absl::Status checked = job_auth_.Check(*context);
+  if (checked.ok()) checked = core_.membership->CheckJobId(request->job_id());
+  absl::StatusOr<MemberContext> member = checked;
+  if (checked.ok()) {
+    member = core_.membership->ResolveMember(
+        request->worker_id(), request->rank(),
+        request->worker_id() != 0
+            ? std::optional<int64_t>(request->generation())
+            : std::nullopt);
+    checked = member.status();
+  }
+  if (checked.ok() && core_.schedule_feed == nullptr) {
+    checked = absl::UnimplementedError("this coordinator pushes no schedules");
+  }
+  if (!checked.ok()) return RefuseWatch(ToGrpcStatus(checked));
+  return core_.schedule_feed->Subscribe(*request, member->generation);
+}
+
 grpc::Status CoordinatorServiceImpl::ReportStep(
     grpc::ServerContext* context, const hsdp::v1::ReportStepRequest* request,
     hsdp::v1::ReportStepResponse* /*response*/) {

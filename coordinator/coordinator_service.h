@@ -25,6 +25,7 @@
 #include "coordinator/kv_store.h"
 #include "coordinator/membership.h"
 #include "coordinator/metrics.h"
+#include "coordinator/schedule_feed.h"
 #include "coordinator/schedule_log.h"
 #include "hsdp/v1/coordinator_service.grpc.pb.h"
 
@@ -110,6 +111,8 @@ struct CoordinatorCore {
   absl::Duration max_long_poll = kMaxLongPoll;
   // Where the dashboard is served ("" when it is not), for GetStatus.
   std::string dashboard_url;
+  // Serves WatchSchedules; null: UNIMPLEMENTED (workers use GetSchedule).
+  ScheduleFeed* schedule_feed = nullptr;
 };
 
 // Runs a handler body (returning absl::Status) as one tracked call and
@@ -153,13 +156,15 @@ absl::Time LongPollDeadline(const grpc::ServerContext& context,
                             absl::Duration cap = kMaxLongPoll);
 
 // Thread-safe: all state lives in the (thread-safe) core components; the job
-// token is immutable.
+// token is immutable. WatchSchedules is a callback-API stream (no thread per
+// stream); the other methods are synchronous.
 //
 // Authentication: with a job token, every call must carry `authorization:
 // Bearer <job token>`; a call without it or with another token is
 // UNAUTHENTICATED and reads or changes nothing.
 class CoordinatorServiceImpl final
-    : public hsdp::v1::CoordinatorService::Service {
+    : public hsdp::v1::CoordinatorService::WithCallbackMethod_WatchSchedules<
+          hsdp::v1::CoordinatorService::Service> {
  public:
   // An empty `job_token` leaves the service open (local tests and runs).
   explicit CoordinatorServiceImpl(CoordinatorCore core,
@@ -187,6 +192,13 @@ class CoordinatorServiceImpl final
   grpc::Status GetSchedule(grpc::ServerContext* context,
                            const hsdp::v1::GetScheduleRequest* request,
                            hsdp::v1::GetScheduleResponse* response) override;
+  // Keeps the generated synchronous overload (disabled by the base) visible
+  // beside the callback override.
+  using hsdp::v1::CoordinatorService::WithCallbackMethod_WatchSchedules<
+      hsdp::v1::CoordinatorService::Service>::WatchSchedules;
+  grpc::ServerWriteReactor<hsdp::v1::WatchSchedulesResponse>* WatchSchedules(
+      grpc::CallbackServerContext* context,
+      const hsdp::v1::WatchSchedulesRequest* request) override;
   grpc::Status ReportStep(grpc::ServerContext* context,
                           const hsdp::v1::ReportStepRequest* request,
                           hsdp::v1::ReportStepResponse* response) override;

@@ -1,9 +1,12 @@
 #include "coordinator/planner.h"
 
 #include <algorithm>
-#include <numeric>
+#include <optional>
+#include <string>
+#include <utility>
 
-#include "common/mesh.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "common/policy.h"
 
 namespace hsdp::coordinator {
@@ -12,90 +15,122 @@ namespace {
 using hsdp::v1::Policy;
 using hsdp::v1::StepSchedule;
 
+constexpr char kRootUnit[] = "root";
+constexpr double kMiB = 1024.0 * 1024.0;
+
+// The root's flags that overrides naming it exactly ("root", no wildcard) set;
+// later overrides win.
+struct RootPins {
+  std::optional<bool> after_forward;
+  std::optional<bool> after_backward;
+};
+
+RootPins ExplicitRootPins(const Policy& policy) {
+  RootPins pins;
+  for (const hsdp::v1::UnitOverride& o : policy.overrides()) {
+    if (o.unit_glob() != kRootUnit) continue;
+    if (o.has_reshard_after_forward())
+      pins.after_forward = o.reshard_after_forward();
+    if (o.has_reshard_after_backward())
+      pins.after_backward = o.reshard_after_backward();
+  }
+  return pins;
+}
+
+// Fills forward_prefetch / backward_prefetch of every unit from the reshard
+// flags already in `schedule` (see the header for the rules).
+void FillPrefetchLists(int forward_depth, int backward_depth,
+                       StepSchedule* schedule) {
+  const int n = schedule->units_size();
+  for (int i = 0; i < n; ++i) {
+    hsdp::v1::UnitSchedule* unit = schedule->mutable_units(i);
+    unit->clear_forward_prefetch();
+    unit->clear_backward_prefetch();
+    for (int j = i + 1; j < n && j <= i + forward_depth; ++j) {
+      unit->add_forward_prefetch(j);
+    }
+  }
+  // Backward order: the root, then the blocks n-1 .. 1.
+  auto at = [n](int position) { return position == 0 ? 0 : n - position; };
+  for (int p = 0; p < n; ++p) {
+    hsdp::v1::UnitSchedule* unit = schedule->mutable_units(at(p));
+    for (int q = p + 1;
+         q < n && unit->backward_prefetch_size() < backward_depth; ++q) {
+      const int j = at(q);
+      if (schedule->units(j).reshard_after_forward()) {
+        unit->add_backward_prefetch(j);
+      }
+    }
+  }
+}
+
 }  // namespace
 
+CollectiveCounts CountCollectives(const StepSchedule& schedule,
+                                  int replicate_size) {
+  CollectiveCounts counts;
+  const int n = schedule.units_size();
+  const int m = std::max(1, schedule.microbatches_size());
+  for (int k = 0; k < m; ++k) {
+    const bool sync = schedule.microbatches_size() == 0 ||
+                      schedule.microbatches(k).requires_grad_sync();
+    const bool all_reduce = schedule.microbatches_size() == 0 ||
+                            schedule.microbatches(k).requires_all_reduce();
+    for (int i = 0; i < n; ++i) {
+      const hsdp::v1::UnitSchedule& u = schedule.units(i);
+      // Forward: every unit is sharded when a step starts; later microbatches
+      // find it sharded only if the previous backward resharded it.
+      if (k == 0 || u.reshard_after_backward()) ++counts.all_gathers;
+      if (u.reshard_after_forward()) ++counts.all_gathers;
+      if (sync) ++counts.reduce_scatters;
+      if (sync && all_reduce && replicate_size > 1) ++counts.all_reduces;
+    }
+  }
+  return counts;
+}
+
+Planner::Planner(UnitList units, MemoryModel::Options memory)
+    : units_(std::move(units)), model_(units_, memory) {}
+
 Planner::Planner(UnitList units, int shard_size)
-    : units_(std::move(units)), shard_size_(std::max(1, shard_size)) {}
+    : Planner(std::move(units), [shard_size] {
+        MemoryModel::Options options;
+        options.shard_size = shard_size;
+        return options;
+      }()) {}
 
-int64_t Planner::PredictPeakBytes(const UnitList& units, int shard_size,
-                                  const std::vector<bool>& kept_unsharded,
-                                  int forward_prefetch_depth,
-                                  int backward_prefetch_depth) {
-  const int n = static_cast<int>(units.size());
-  auto bytes = [&](int i) { return units[i].param_bytes(); };
-  auto kept = [&](int i) {
-    return i < static_cast<int>(kept_unsharded.size()) && kept_unsharded[i];
-  };
-  int64_t total = 0;
-  for (int i = 0; i < n; ++i) {
-    total += ShardedBytes(bytes(i), shard_size) * kShardedStateCopies;
-    if (kept(i)) total += bytes(i);
-  }
-  int64_t window = 0;
-  for (int i = 0; i < n; ++i) {
-    int64_t forward = 0;
-    for (int j = i; j < n && j <= i + forward_prefetch_depth; ++j) {
-      if (!kept(j)) forward += bytes(j);
-    }
-    int64_t backward = bytes(i);  // the unit's unsharded gradient
-    for (int j = i; j >= 0 && j >= i - backward_prefetch_depth; --j) {
-      if (!kept(j)) backward += bytes(j);
-    }
-    window = std::max({window, forward, backward});
-  }
-  return total + window;
+MemoryBreakdown Planner::PredictPeak(const StepSchedule& schedule) const {
+  return model_.PredictPeak(schedule, activation_bytes_);
 }
 
-std::vector<bool> Planner::ChooseReshardAfterForward(const Policy& resolved,
-                                                     int64_t step) {
-  const int n = static_cast<int>(units_.size());
-  std::vector<bool> reshard(n, true);
-  std::vector<bool> kept(n, false);
-  std::vector<int> candidates;
-  for (int i = 0; i < n; ++i) {
-    const UnitReshard r = ResolveUnitReshard(resolved, units_[i].name());
-    if (r.forward_pinned) {
-      // An explicit override wins over the automatic choice.
-      reshard[i] = r.after_forward;
-      kept[i] = !r.after_forward;
-    } else {
-      candidates.push_back(i);
-    }
-  }
-  // Every kept unit saves exactly one all-gather (the backward re-gather), so
-  // keeping as many units as fit minimises all-gathers: take the smallest
-  // first. Ties go to later units, which backward needs first.
-  std::stable_sort(candidates.begin(), candidates.end(), [&](int a, int b) {
-    const int64_t ba = units_[a].param_bytes(), bb = units_[b].param_bytes();
-    return ba != bb ? ba < bb : a > b;
-  });
-  const int64_t budget = resolved.memory_budget_bytes();
-  auto predict = [&]() {
-    const int64_t raw = PredictPeakBytes(units_, shard_size_, kept,
-                                         resolved.forward_prefetch_depth(),
-                                         resolved.backward_prefetch_depth());
-    return raw;
-  };
-  int64_t raw = predict();
-  for (int i : candidates) {
-    kept[i] = true;
-    const int64_t with = predict();
-    if (static_cast<double>(with) * correction_ <=
-        static_cast<double>(budget)) {
-      reshard[i] = false;
-      raw = with;
-    } else {
-      kept[i] = false;
-    }
-  }
-  raw_predictions_[step] = raw;
-  last_predicted_peak_ =
-      static_cast<int64_t>(static_cast<double>(raw) * correction_);
-  return reshard;
+int64_t Planner::Corrected(int64_t raw) const {
+  return std::clamp(raw + correction_, raw / kMaxCorrectionRatio,
+                    raw * kMaxCorrectionRatio);
 }
 
-StepSchedule Planner::Plan(const Policy& policy, const PlanInput& input) {
-  const Policy resolved = ResolvePolicyDefaults(policy);
+std::string Planner::PlanKey(const StepSchedule& schedule) {
+  StepSchedule shape = schedule;
+  shape.clear_step();
+  shape.clear_policy_version();
+  shape.clear_generation();
+  shape.clear_checkpoint();
+  shape.clear_predicted_peak_bytes();
+  shape.clear_over_memory_budget();
+  for (auto& unit : *shape.mutable_units()) unit.clear_unit_name();
+  return shape.SerializeAsString();
+}
+
+int64_t Planner::PredictedPeakBytes(const StepSchedule& schedule) const {
+  const int64_t raw = PredictPeak(schedule).Total();
+  auto known = measured_plans_.find(PlanKey(schedule));
+  if (known == measured_plans_.end()) return Corrected(raw);
+  // Clamped like the correction: one absurd report must not rule a plan out.
+  return std::clamp(known->second.peak_bytes, raw / kMaxCorrectionRatio,
+                    raw * kMaxCorrectionRatio);
+}
+
+StepSchedule Planner::PlanManual(const Policy& resolved,
+                                 const PlanInput& input) const {
   const int n = static_cast<int>(units_.size());
   StepSchedule schedule;
   schedule.set_step(input.step);
@@ -117,25 +152,25 @@ StepSchedule Planner::Plan(const Policy& policy, const PlanInput& input) {
     mb->set_is_last_backward(last);
   }
 
-  std::vector<bool> auto_reshard;
-  if (resolved.memory_budget_bytes() > 0) {
-    auto_reshard = ChooseReshardAfterForward(resolved, input.step);
-  }
-  const int fwd = resolved.forward_prefetch_depth();
-  const int bwd = resolved.backward_prefetch_depth();
+  const bool budget_mode = resolved.memory_budget_bytes() > 0;
+  const RootPins root = ExplicitRootPins(resolved);
   for (int i = 0; i < n; ++i) {
-    const UnitReshard r = ResolveUnitReshard(resolved, units_[i].name());
     auto* unit = schedule.add_units();
     unit->set_unit_index(i);
     unit->set_unit_name(units_[i].name());
-    unit->set_reshard_after_forward(auto_reshard.empty() ? r.after_forward
-                                                         : auto_reshard[i]);
+    if (i == 0) {
+      unit->set_reshard_after_forward(root.after_forward.value_or(false));
+      unit->set_reshard_after_backward(root.after_backward.value_or(false));
+      continue;
+    }
+    const UnitReshard r = ResolveUnitReshard(resolved, units_[i].name());
+    // Memory-budget mode starts from the least-memory plan.
+    unit->set_reshard_after_forward(
+        budget_mode && !r.forward_pinned ? true : r.after_forward);
     unit->set_reshard_after_backward(r.after_backward);
-    for (int j = i + 1; j < n && j <= i + fwd; ++j)
-      unit->add_forward_prefetch(j);
-    for (int j = i - 1; j >= 0 && j >= i - bwd; --j)
-      unit->add_backward_prefetch(j);
   }
+  FillPrefetchLists(resolved.forward_prefetch_depth(),
+                    resolved.backward_prefetch_depth(), &schedule);
 
   const int interval = resolved.checkpoint_interval();
   schedule.set_checkpoint(input.checkpoint_requested ||
@@ -143,23 +178,116 @@ StepSchedule Planner::Plan(const Policy& policy, const PlanInput& input) {
   return schedule;
 }
 
-void Planner::ObservePeakMemory(int64_t step, int64_t peak_bytes) {
-  auto it = raw_predictions_.find(step);
-  if (it == raw_predictions_.end() || it->second <= 0 || peak_bytes <= 0)
-    return;
-  int64_t& observed = observed_peaks_[step];
-  observed = std::max(observed, peak_bytes);
-  // The latest reported step defines the factor: reports for older steps only
-  // count while no newer step has been reported.
-  if (step < observed_peaks_.rbegin()->first) return;
-  const double ratio =
-      static_cast<double>(observed) / static_cast<double>(it->second);
-  correction_ = std::clamp(ratio, kMinMemoryCorrection, kMaxMemoryCorrection);
-  // Keep the maps small: nothing before this step matters any more.
-  raw_predictions_.erase(raw_predictions_.begin(),
-                         raw_predictions_.lower_bound(step));
-  observed_peaks_.erase(observed_peaks_.begin(),
-                        observed_peaks_.lower_bound(step));
+void Planner::ChooseKeptUnits(const Policy& resolved, StepSchedule* schedule) {
+  const int n = static_cast<int>(units_.size());
+  std::vector<int> candidates;
+  for (int i = 1; i < n; ++i) {
+    if (!ResolveUnitReshard(resolved, units_[i].name()).forward_pinned) {
+      candidates.push_back(i);
+    }
+  }
+  // Every kept block saves exactly one all-gather (its backward re-gather), so
+  // keeping as many as fit minimises all-gathers: take the smallest first.
+  // Ties go to later blocks, which backward needs first.
+  std::stable_sort(candidates.begin(), candidates.end(), [&](int a, int b) {
+    const int64_t ba = units_[a].param_bytes(), bb = units_[b].param_bytes();
+    return ba != bb ? ba < bb : a > b;
+  });
+  const int64_t budget = resolved.memory_budget_bytes();
+  const int fwd = resolved.forward_prefetch_depth();
+  const int bwd = resolved.backward_prefetch_depth();
+  int64_t predicted = PredictedPeakBytes(*schedule);
+  const bool over = predicted > budget;
+  for (int i : candidates) {
+    if (over) break;
+    schedule->mutable_units(i)->set_reshard_after_forward(false);
+    FillPrefetchLists(fwd, bwd, schedule);
+    const int64_t with = PredictedPeakBytes(*schedule);
+    if (with <= budget) {
+      predicted = with;
+    } else {
+      schedule->mutable_units(i)->set_reshard_after_forward(true);
+    }
+  }
+  FillPrefetchLists(fwd, bwd, schedule);
+  schedule->set_predicted_peak_bytes(predicted);
+  schedule->set_over_memory_budget(over);
+  last_predicted_peak_ = predicted;
+}
+
+StepSchedule Planner::Plan(const Policy& policy, const PlanInput& input) {
+  const Policy resolved = ResolvePolicyDefaults(policy);
+  StepSchedule schedule = PlanManual(resolved, input);
+  if (resolved.memory_budget_bytes() > 0) {
+    ChooseKeptUnits(resolved, &schedule);
+  }
+  // Kept for the reports of this step; sealed steps are planned once. Bounded,
+  // for workers that never report a peak.
+  plans_[input.step] = schedule;
+  while (plans_.size() > kMaxRememberedPlans) plans_.erase(plans_.begin());
+  return schedule;
+}
+
+absl::Status Planner::CheckMemoryBudget(const Policy& policy) const {
+  if (policy.memory_budget_bytes() <= 0) return absl::OkStatus();
+  const Policy resolved = ResolvePolicyDefaults(policy);
+  const StepSchedule least = PlanManual(resolved, PlanInput());
+  const MemoryBreakdown raw = PredictPeak(least);
+  const int64_t predicted = PredictedPeakBytes(least);
+  if (resolved.memory_budget_bytes() >= predicted) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrFormat(
+      "policy.memory_budget_bytes: %d bytes (%.2f MiB) is below the least "
+      "peak this model reaches on this mesh: %d bytes (%.2f MiB) predicted "
+      "with every unit resharded after forward (%s; measured correction "
+      "%+.2f MiB); raise the budget or leave memory-budget mode",
+      resolved.memory_budget_bytes(), resolved.memory_budget_bytes() / kMiB,
+      predicted, predicted / kMiB, raw.ToString(), correction_ / kMiB));
+}
+
+void Planner::ObservePeakMemory(int64_t step, int64_t peak_bytes,
+                                int64_t activation_bytes) {
+  auto plan = plans_.find(step);
+  if (plan == plans_.end() || peak_bytes <= 0) return;
+  if (observed_.size() >= kCorrectionWindowSteps &&
+      step < observed_.begin()->first) {
+    return;  // older than the window
+  }
+  Observation& o = observed_[step];
+  if (peak_bytes <= o.peak_bytes && activation_bytes <= o.activation_bytes) {
+    return;  // another rank's report that changes nothing
+  }
+  o.peak_bytes = std::max(o.peak_bytes, peak_bytes);
+  o.activation_bytes = std::max(o.activation_bytes, activation_bytes);
+  // The plan's own measurement, the most trusted prediction of it.
+  MeasuredPlan& measured = measured_plans_[PlanKey(plan->second)];
+  measured.peak_bytes = std::max(measured.peak_bytes, o.peak_bytes);
+  measured.last_step = std::max(measured.last_step, step);
+  while (measured_plans_.size() > kMaxMeasuredPlans) {
+    auto oldest =
+        std::min_element(measured_plans_.begin(), measured_plans_.end(),
+                         [](const auto& a, const auto& b) {
+                           return a.second.last_step < b.second.last_step;
+                         });
+    measured_plans_.erase(oldest);
+  }
+  o.correction = o.peak_bytes -
+                 model_.PredictPeak(plan->second, o.activation_bytes).Total();
+  while (observed_.size() > kCorrectionWindowSteps) {
+    observed_.erase(observed_.begin());
+  }
+  correction_ = observed_.begin()->second.correction;
+  for (const auto& [s, obs] : observed_) {
+    correction_ = std::max(correction_, obs.correction);
+  }
+  // The latest step's activations (reports without any keep the estimate).
+  for (auto it = observed_.rbegin(); it != observed_.rend(); ++it) {
+    if (it->second.activation_bytes > 0) {
+      activation_bytes_ = it->second.activation_bytes;
+      break;
+    }
+  }
+  // Plans older than the window can no longer be reported usefully.
+  plans_.erase(plans_.begin(), plans_.lower_bound(observed_.begin()->first));
 }
 
 }  // namespace hsdp::coordinator

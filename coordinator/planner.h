@@ -1,12 +1,30 @@
-// The planner: Policy + unit list (+ reported peak memory) -> StepSchedule for
-// one step.
+// The planner: Policy + unit list (+ the peaks workers report) -> the
+// StepSchedule of one step. Torch-free and gRPC-free (library hsdp_planner):
+// the coordinator seals its schedules, and the engine's tests and benchmarks
+// run the same ones.
+//
+// Execution order, which every list below follows: forward enters the root
+// (unit 0) first, then the blocks 1..n-1, and leaves the root last; backward
+// starts with the root (its head), then the blocks n-1..1, and ends with the
+// root (its embedding).
 //
 // Manual mode (memory_budget_bytes == 0) is exact and stateless:
-// - per unit reshard_after_forward/backward = the policy defaults, then every
-//   override whose glob matches the unit name, in order (later ones win);
-// - forward_prefetch(i) = [i+1, ..., i+d_fwd], clipped to the unit count;
-// - backward_prefetch(i) = [i-1, ..., i-d_bwd], clipped at 0 (backward runs
-//   the units in reverse, so these are the units that run next);
+// - reshard_after_forward / reshard_after_backward of a block: the policy
+//   defaults, then every override whose glob matches the unit name, in order
+//   (later ones win);
+// - the root rule (FSDP2's): the root is never resharded after forward — its
+//   post-forward is the end of forward and backward re-gathers it at once, one
+//   wasted all-gather per microbatch — nor after backward, which ends with the
+//   root just before the next microbatch's forward gathers it again (the last
+//   microbatch reshards every unit anyway). Only an override whose unit_glob is
+//   exactly "root" (no wildcard) sets either flag of the root; a wildcard such
+//   as "*" never does;
+// - forward_prefetch(i) = the next forward_prefetch_depth units after i in
+//   forward order (never the root, which is entered first);
+// - backward_prefetch(i) = the next backward_prefetch_depth units after i in
+//   backward order that are resharded after forward: units kept unsharded
+//   after forward (and the root) need no backward all-gather, so they take no
+//   place in the list. backward_prefetch(root) starts with the last block.
 // - microbatch k of m: requires_grad_sync = last || grad_sync is
 //   EVERY_MICROBATCH; requires_all_reduce = requires_grad_sync && (last ||
 //   all_reduce is EVERY_MICROBATCH); is_last_backward = last. The flags do not
@@ -15,29 +33,48 @@
 //   (step + 1) % checkpoint_interval == 0) || a checkpoint was requested.
 //
 // Memory-budget mode (memory_budget_bytes > 0) plans like manual mode, except
-// that it picks reshard_after_forward for every unit no override pins
-// explicitly; see PredictPeakBytes for the memory model and
-// ChooseReshardAfterForward for the choice.
+// that it picks reshard_after_forward for every block no override pins
+// explicitly: keeping a block unsharded saves its backward all-gather, so it
+// keeps as many blocks as the predicted peak allows, smallest first (ties: the
+// later block, which backward reaches first). The prediction is the memory
+// model's (common/memory_model.h) with the activations and a correction
+// learned from the workers' reports (see ObservePeakMemory); a plan that ran
+// before is predicted by its own measured peak instead, since the model's error
+// depends on the plan (e.g. it may call free what keeps a block longer). When
+// even every
+// block resharded is predicted over the budget the step runs that least-memory
+// plan and says so (StepSchedule.over_memory_budget); SetPolicy refuses such a
+// budget up front when the model is known (CheckMemoryBudget).
 #ifndef HSDP_COORDINATOR_PLANNER_H_
 #define HSDP_COORDINATOR_PLANNER_H_
 
 #include <cstdint>
 #include <map>
+#include <string>
 #include <vector>
 
+#include "absl/status/status.h"
+#include "common/memory_model.h"
 #include "common/units.h"
 #include "hsdp/v1/policy.pb.h"
 #include "hsdp/v1/schedule.pb.h"
 
 namespace hsdp::coordinator {
 
-// Bytes per parameter byte that stay resident sharded: parameter, gradient and
-// the two AdamW moments (all in the parameter dtype).
-inline constexpr int kShardedStateCopies = 4;
-// The correction factor from reported peaks is clamped to this range, so one
-// absurd report cannot make the planner keep everything or nothing.
-inline constexpr double kMinMemoryCorrection = 0.25;
-inline constexpr double kMaxMemoryCorrection = 8.0;
+// The corrected (or measured) prediction stays within [raw /
+// kMaxCorrectionRatio, raw * kMaxCorrectionRatio], so one absurd report cannot
+// make the planner keep everything or nothing.
+inline constexpr int64_t kMaxCorrectionRatio = 8;
+// The correction is the largest of the last this many reported steps' (one
+// step's report can run low, e.g. the first step, before the optimizer state
+// exists).
+inline constexpr int kCorrectionWindowSteps = 4;
+// Planned schedules kept for their reports (reports arrive within the
+// read-ahead window of sealing, far fewer steps than this).
+inline constexpr size_t kMaxRememberedPlans = 256;
+// Distinct plans whose measured peaks are remembered (the least recently
+// measured goes first).
+inline constexpr size_t kMaxMeasuredPlans = 64;
 
 // What, besides the policy, a step's schedule depends on.
 struct PlanInput {
@@ -51,68 +88,102 @@ struct PlanInput {
   int microbatches = 0;
 };
 
+// Collectives the engine issues for one step run by a schedule, per rank (each
+// unit gathers once per forward unless still unsharded from the previous
+// microbatch, again in backward when resharded after forward; reduces when the
+// microbatch syncs; all-reduces across replicas where asked). Assumes every
+// parameter unit holds parameters, no recompute, and S > 1.
+struct CollectiveCounts {
+  int64_t all_gathers = 0;
+  int64_t reduce_scatters = 0;
+  int64_t all_reduces = 0;
+};
+CollectiveCounts CountCollectives(const hsdp::v1::StepSchedule& schedule,
+                                  int replicate_size);
+
 // Thread-compatible: the schedule log calls it under its own lock.
 class Planner {
  public:
-  // `shard_size` is the mesh's S (ranks a unit's parameters are sharded
-  // across).
+  // `memory` describes the mesh (and transport) for the memory model.
+  Planner(UnitList units, MemoryModel::Options memory);
+  // A plain FSDP mesh of `shard_size` ranks on a CPU transport.
   Planner(UnitList units, int shard_size);
   Planner(const Planner&) = delete;
   Planner& operator=(const Planner&) = delete;
 
   // The schedule for `input.step` under `policy` (validated by ValidatePolicy;
-  // defaults are resolved here). In memory-budget mode also records the raw
-  // prediction for the step so a later ObservePeakMemory(step, ...) can correct
-  // the model.
+  // defaults are resolved here). Remembers it, so a later
+  // ObservePeakMemory(step, ...) can compare the prediction with the
+  // measurement.
   hsdp::v1::StepSchedule Plan(const hsdp::v1::Policy& policy,
                               const PlanInput& input);
 
-  // Feeds back a rank's measured peak for a step planned here. The correction
-  // factor becomes max-over-ranks(observed) / raw_prediction for the latest
-  // reported step (clamped), and applies to steps planned from now on (sealed
-  // steps never change). Reports for steps without a recorded prediction
-  // (manual mode) are ignored.
-  void ObservePeakMemory(int64_t step, int64_t peak_bytes);
+  // OK unless `policy` has a memory budget below the least predicted peak of
+  // this model (every block that no override pins resharded after forward):
+  // then INVALID_ARGUMENT naming policy.memory_budget_bytes and both figures.
+  absl::Status CheckMemoryBudget(const hsdp::v1::Policy& policy) const;
 
-  // observed / predicted ratio currently applied (1.0 until the first useful
-  // report).
-  double memory_correction() const { return correction_; }
-  // Corrected predicted peak of the last step planned in memory-budget mode (0
-  // if none).
+  // Feeds back a rank's measured peak and activation bytes for a planned step.
+  // The step's correction is max-over-ranks(peak) minus the model's prediction
+  // for that step's schedule with max-over-ranks(activations); the applied
+  // correction is the largest over the last kCorrectionWindowSteps reported
+  // steps, and the activation estimate is the latest step's. The step's plan
+  // (its schedule without step, version and names) also remembers the largest
+  // peak measured for it, which then predicts that plan. All apply to steps
+  // planned from now on (sealed steps never change). Reports for steps not
+  // planned here, older than the window, or with peak_bytes <= 0 are ignored.
+  void ObservePeakMemory(int64_t step, int64_t peak_bytes,
+                         int64_t activation_bytes);
+
+  // Bytes added to the model's predictions (0 until the first report).
+  int64_t memory_correction_bytes() const { return correction_; }
+  // Activations per microbatch the model assumes (0 until reported).
+  int64_t activation_bytes() const { return activation_bytes_; }
+  // Corrected predicted peak of the last step planned in memory-budget mode
+  // (0 if none).
   int64_t last_predicted_peak_bytes() const { return last_predicted_peak_; }
 
-  // The raw memory model (bytes per rank), before correction, is the sum of
-  // - sharded state: sum_i ceil(bytes_i / S) * kShardedStateCopies (params,
-  //   grads, AdamW m and v);
-  // - kept units: sum of bytes_i over units kept unsharded after forward (all
-  //   live at once at the forward/backward boundary);
-  // - the unsharded working window, max over units i of
-  //   forward:  bytes of the units in [i, i + d_fwd] that are not kept;
-  //   backward: bytes of the units in [i - d_bwd, i] that are not kept, plus
-  //             bytes_i (the unit's unsharded gradient).
-  // Activations are not modelled; the correction factor from reported peaks
-  // absorbs them.
-  static int64_t PredictPeakBytes(const UnitList& units, int shard_size,
-                                  const std::vector<bool>& kept_unsharded,
-                                  int forward_prefetch_depth,
-                                  int backward_prefetch_depth);
+  // The model's raw prediction for `schedule` (no correction).
+  MemoryBreakdown PredictPeak(const hsdp::v1::StepSchedule& schedule) const;
+  // What memory-budget mode goes by: the plan's measured peak when it ran
+  // before, else the corrected model prediction.
+  int64_t PredictedPeakBytes(const hsdp::v1::StepSchedule& schedule) const;
 
   const UnitList& units() const { return units_; }
+  const MemoryModel& memory_model() const { return model_; }
 
  private:
-  // Memory-budget mode: returns reshard_after_forward per unit.
-  std::vector<bool> ChooseReshardAfterForward(const hsdp::v1::Policy& resolved,
-                                              int64_t step);
+  // The schedule of a resolved policy with reshard flags and prefetch lists
+  // (memory-budget mode: every unpinned block resharded).
+  hsdp::v1::StepSchedule PlanManual(const hsdp::v1::Policy& resolved,
+                                    const PlanInput& input) const;
+  // Memory-budget mode: keeps what fits in `schedule` and records the
+  // prediction.
+  void ChooseKeptUnits(const hsdp::v1::Policy& resolved,
+                       hsdp::v1::StepSchedule* schedule);
+  int64_t Corrected(int64_t raw) const;
+  // What distinguishes one plan from another for memory.
+  static std::string PlanKey(const hsdp::v1::StepSchedule& schedule);
 
   const UnitList units_;
-  const int shard_size_;
-  double correction_ = 1.0;
+  const MemoryModel model_;
+  int64_t correction_ = 0;
+  int64_t activation_bytes_ = 0;
   int64_t last_predicted_peak_ = 0;
-  // Raw predictions by step (memory-budget mode only), pruned as reports come
-  // in.
-  std::map<int64_t, int64_t> raw_predictions_;
-  // Max observed peak per step, for steps with a prediction.
-  std::map<int64_t, int64_t> observed_peaks_;
+  // Planned schedules by step, until their reports are in (pruned).
+  std::map<int64_t, hsdp::v1::StepSchedule> plans_;
+  struct Observation {
+    int64_t peak_bytes = 0;
+    int64_t activation_bytes = 0;
+    int64_t correction = 0;
+  };
+  // The last kCorrectionWindowSteps reported steps.
+  std::map<int64_t, Observation> observed_;
+  struct MeasuredPlan {
+    int64_t peak_bytes = 0;
+    int64_t last_step = 0;
+  };
+  std::map<std::string, MeasuredPlan> measured_plans_;
 };
 
 }  // namespace hsdp::coordinator

@@ -1,8 +1,10 @@
 #include "coordinator/schedule_log.h"
 
 #include <algorithm>
+#include <iostream>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "common/policy.h"
 
 namespace hsdp::coordinator {
@@ -92,7 +94,7 @@ absl::Status ScheduleLog::RestoreLocked(
     checkpoint_requests_.insert(step);
   if (!state.units().empty()) {
     planner_ = std::make_unique<Planner>(UnitListFromProto(state.units()),
-                                         options_.shard_size);
+                                         MemoryOptions());
   }
   for (const auto& start : state.generation_starts()) {
     generation_starts_.push_back(GenerationContext{
@@ -183,7 +185,7 @@ absl::Status ScheduleLog::SetUnits(const UnitList& units) {
     return absl::OkStatus();
   }
   if (absl::Status s = ValidateUnitList(units); !s.ok()) return s;
-  planner_ = std::make_unique<Planner>(units, options_.shard_size);
+  planner_ = std::make_unique<Planner>(units, MemoryOptions());
   absl::Status policy_ok = ValidatePolicy(policies_.back().policy, units);
   if (!policy_ok.ok()) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -206,6 +208,14 @@ const PolicyInfo& ScheduleLog::PolicyForStepLocked(int64_t step) const {
     if (it->effective_step <= step) return *it;
   }
   return policies_.front();
+}
+
+MemoryModel::Options ScheduleLog::MemoryOptions() const {
+  MemoryModel::Options memory;
+  memory.shard_size = options_.shard_size;
+  memory.replicate_size =
+      std::max(1, options_.world_size / std::max(1, options_.shard_size));
+  return memory;
 }
 
 int64_t ScheduleLog::FloorLocked() const {
@@ -236,6 +246,9 @@ absl::Status ScheduleLog::SealThroughLocked(int64_t step) {
     sealed->schedule.set_batch_mode(shrink ? hsdp::v1::BATCH_MODE_SHRINK
                                            : hsdp::v1::BATCH_MODE_FIXED);
     sealed->bytes = sealed->schedule.SerializeAsString();
+    if (sealed->schedule.over_memory_budget()) {
+      ReportOverBudgetLocked(sealed->schedule, policy);
+    }
     if (store_ != nullptr) {
       // Persist before anyone can see the step: a restart must serve the same
       // bytes.
@@ -382,6 +395,9 @@ absl::StatusOr<PolicyInfo> ScheduleLog::SetPolicy(
       !s.ok()) {
     return s;
   }
+  if (planner_ != nullptr) {
+    if (absl::Status s = planner_->CheckMemoryBudget(policy); !s.ok()) return s;
+  }
   PolicyInfo info{policy, policies_.back().version + 1, next_unsealed_};
   policies_.push_back(info);
   if (absl::Status s = PersistLocked(); !s.ok()) {
@@ -454,7 +470,8 @@ absl::Status ScheduleLog::RecordReport(const hsdp::v1::StepReport& report) {
     }
   }
   if (planner_ != nullptr && report.peak_memory_bytes() > 0) {
-    planner_->ObservePeakMemory(report.step(), report.peak_memory_bytes());
+    planner_->ObservePeakMemory(report.step(), report.peak_memory_bytes(),
+                                report.activation_bytes());
   }
   if (report.checkpoint_saved() && report.step() > last_checkpoint_step_) {
     auto& savers = checkpoint_saves_[report.step()];
@@ -477,6 +494,25 @@ void ScheduleLog::Shutdown() {
   absl::MutexLock lock(&mu_);
   shutdown_ = true;
   window_cv_.SignalAll();
+}
+
+int64_t ScheduleLog::AwaitFloorChange(int64_t seen_floor, absl::Time deadline) {
+  absl::MutexLock lock(&mu_);
+  if (FloorLocked() == seen_floor && !shutdown_) {
+    // One wait: any signal (floor, seal, drain, shutdown, Wake) returns.
+    window_cv_.WaitWithDeadline(&mu_, deadline);
+  }
+  return FloorLocked();
+}
+
+void ScheduleLog::Wake() {
+  absl::MutexLock lock(&mu_);
+  window_cv_.SignalAll();
+}
+
+bool ScheduleLog::is_shut_down() const {
+  absl::MutexLock lock(&mu_);
+  return shutdown_;
 }
 
 int64_t ScheduleLog::sealed_step() const {
@@ -504,9 +540,23 @@ int64_t ScheduleLog::min_completed_step() const {
   return min_completed_;
 }
 
-double ScheduleLog::memory_correction() const {
+int64_t ScheduleLog::memory_correction_bytes() const {
   absl::MutexLock lock(&mu_);
-  return planner_ != nullptr ? planner_->memory_correction() : 1.0;
+  return planner_ != nullptr ? planner_->memory_correction_bytes() : 0;
+}
+
+void ScheduleLog::ReportOverBudgetLocked(const hsdp::v1::StepSchedule& schedule,
+                                         const PolicyInfo& policy) {
+  // Once per policy version: every later step of it is over budget too until
+  // the reports say otherwise.
+  if (policy.version == over_budget_reported_version_) return;
+  over_budget_reported_version_ = policy.version;
+  std::cerr << absl::StrFormat(
+      "hsdp-coordinator: step %d (policy version %d): memory budget %d bytes "
+      "is below the least predicted peak %d bytes; running with every unit "
+      "resharded after forward\n",
+      schedule.step(), policy.version, policy.policy.memory_budget_bytes(),
+      schedule.predicted_peak_bytes());
 }
 
 }  // namespace hsdp::coordinator

@@ -162,8 +162,10 @@ class ScheduleLog {
   absl::StatusOr<std::shared_ptr<const SealedSchedule>> GetSealed(
       int64_t step, std::optional<int64_t> generation = std::nullopt) const;
 
-  // Validates `policy` (against the units when known) and applies it from the
-  // first unsealed step. INVALID_ARGUMENT leaves everything unchanged.
+  // Validates `policy` (against the units when known; a memory budget below
+  // the least predicted peak of the model is refused, see
+  // Planner::CheckMemoryBudget) and applies it from the first unsealed step.
+  // INVALID_ARGUMENT leaves everything unchanged.
   absl::StatusOr<PolicyInfo> SetPolicy(const hsdp::v1::Policy& policy);
   // The latest policy (what SetPolicy last installed).
   PolicyInfo CurrentPolicy() const;
@@ -182,13 +184,23 @@ class ScheduleLog {
 
   // Records a rank's step report: its completed step (moves the window, wakes
   // readers), checkpoint_saved (last_checkpoint_step advances when every rank
-  // saved a step) and peak memory (planner feedback). INVALID_ARGUMENT for a
+  // saved a step) and peak memory and activations (planner feedback).
+  // INVALID_ARGUMENT for a
   // rank outside [0, world) or a negative step.
   absl::Status RecordReport(const hsdp::v1::StepReport& report);
 
   // Wakes every blocked GetSchedule with UNAVAILABLE and refuses new blocking
   // reads.
   void Shutdown();
+
+  // For a pusher of sealed steps (ScheduleFeed): blocks until the floor (see
+  // min_completed_step; restored lower bound included) differs from
+  // `seen_floor`, the log drains or shuts down, Wake() is called, or
+  // `deadline`; returns the floor then.
+  int64_t AwaitFloorChange(int64_t seen_floor, absl::Time deadline);
+  // Wakes AwaitFloorChange (and lets blocked reads re-check).
+  void Wake();
+  bool is_shut_down() const;
 
   // Highest sealed step, or -1.
   int64_t sealed_step() const;
@@ -200,13 +212,19 @@ class ScheduleLog {
   int64_t last_checkpoint_step() const;
   // min over ranks of the highest completed step (-1 before reports).
   int64_t min_completed_step() const;
-  double memory_correction() const;
+  // Bytes the planner adds to its memory model from reported peaks.
+  int64_t memory_correction_bytes() const;
   bool restored() const { return restored_; }
   const Options& options() const { return options_; }
 
  private:
   ScheduleLog(Options options, StateStore* store);
 
+  MemoryModel::Options MemoryOptions() const;
+  // Logs (stderr) that a sealed step runs over its memory budget.
+  void ReportOverBudgetLocked(const hsdp::v1::StepSchedule& schedule,
+                              const PolicyInfo& policy)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   const PolicyInfo& PolicyForStepLocked(int64_t step) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   int64_t FloorLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -264,6 +282,7 @@ class ScheduleLog {
   std::map<int64_t, std::set<int>> checkpoint_saves_ ABSL_GUARDED_BY(mu_);
   int64_t last_checkpoint_step_ ABSL_GUARDED_BY(mu_) = -1;
   bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
+  int64_t over_budget_reported_version_ ABSL_GUARDED_BY(mu_) = 0;
   // Signalled (with mu_ held) when the floor, the sealed steps, the drain step
   // or shutdown_ change: what blocked GetSchedule calls wait for.
   absl::CondVar window_cv_;

@@ -127,6 +127,11 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   core.dashboard_url = s->dashboard_url_;
   s->events_ = std::make_unique<CoreEvents>(core);
   s->membership_->SetListener(s->events_.get());
+  ScheduleFeed::Options feed_options;
+  feed_options.push_ahead = options.schedule_push_ahead;
+  s->schedule_feed_ = std::make_unique<ScheduleFeed>(
+      s->schedule_log_.get(), s->membership_.get(), feed_options);
+  core.schedule_feed = s->schedule_feed_.get();
   s->coordinator_service_ = std::make_unique<CoordinatorServiceImpl>(core, options.job_token);
   s->control_service_ =
       std::make_unique<ControlServiceImpl>(core, options.control_token);
@@ -218,6 +223,7 @@ void CoordinatorServer::StopServing() {
   server_->GetHealthCheckService()->Shutdown();
   // Release long polls so they answer UNAVAILABLE now instead of running into
   // the deadline.
+  schedule_feed_->Shutdown();
   schedule_log_->Shutdown();
   kv_store_->Shutdown();
   membership_->Shutdown();

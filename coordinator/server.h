@@ -15,6 +15,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "common/mesh.h"
+#include "coordinator/schedule_feed.h"
 #include "coordinator/schedule_log.h"
 #include "hsdp/v1/policy.pb.h"
 
@@ -85,6 +86,9 @@ struct ServerOptions {
   // fsync state writes (tests and benchmarks that never crash the machine may
   // skip it).
   bool sync_state = true;
+  // WatchSchedules pushes step s once the slowest rank completed s - 1 -
+  // schedule_push_ahead (coordinator/schedule_feed.h).
+  int schedule_push_ahead = kDefaultPushAhead;
 };
 
 // Thread-safe: Shutdown() may be called from any thread (e.g. a signal-waiting
@@ -144,6 +148,8 @@ class CoordinatorServer {
   std::unique_ptr<CoordinatorServiceImpl> coordinator_service_;
   std::unique_ptr<ControlServiceImpl> control_service_;
   std::unique_ptr<Dashboard> dashboard_;
+  // Before server_: streams report their end to it until the server is gone.
+  std::unique_ptr<ScheduleFeed> schedule_feed_;
   std::unique_ptr<grpc::Server> server_;
   // Last, so it stops (waiting for its handlers) before what they use goes.
   std::unique_ptr<HttpServer> http_server_;

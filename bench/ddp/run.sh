@@ -1,12 +1,22 @@
 #!/usr/bin/env bash
 # hsdp vs PyTorch DDP on Gloo: same GPT shape, same global batch (4 ranks x microbatch), same number
-# of single-threaded CPU processes. Prints step-time ratio and per-rank peak memory from one run.
+# of single-threaded CPU processes. Prints step-time ratios and per-rank peak memory from one run.
 #
-#   bench/ddp/run.sh [BUILD_DIR]   (env: DIMS, STEPS, WARMUP, MICROBATCH_SIZE, MESH, ROUNDS, HSDP_ARGS)
+#   bench/ddp/run.sh [BUILD_DIR]   (env: DIMS, STEPS, WARMUP, MICROBATCH_SIZE, MESH, ROUNDS,
+#                                   VARIANTS, HSDP_ARGS)
 # Needs Debian's python3-torch (run with /usr/bin/python3) and a built hsdp-launch/worker/coordinator.
-# The two sides run in alternation, ROUNDS times each (DDP, hsdp, DDP, hsdp, ...), so drift in the
-# machine's load hits both; the ratio is taken per round and over all rounds. HSDP_ARGS are extra
-# hsdp-worker flags (e.g. "--shared-memory=false" for Gloo TCP only).
+#
+# Each round runs DDP (Gloo TCP) and then every hsdp variant, and the rounds alternate, so drift in
+# the machine's load hits every side; ratios are taken per round and over all rounds. The variants
+# (VARIANTS, space-separated, default all four):
+#   shm       shared memory between the ranks, default policy
+#   tcp       Gloo TCP only (--shared-memory=false), default policy: DDP's transport
+#   shm-keep  shared memory, reshard_after_forward=false
+#   tcp-keep  Gloo TCP, reshard_after_forward=false: the same bytes DDP moves
+# All-gathers per step are what the sealed schedule implies (every unit gathers once in forward,
+# and again in backward when it was resharded after forward; one microbatch), which the engine
+# tests (tests/worker/fsdp/fsdp_collective_order_test.cc) pin to the engine's own counts.
+# HSDP_ARGS are extra hsdp-worker flags for every variant.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 BUILD_DIR="${1:-build}"
@@ -16,53 +26,90 @@ WARMUP="${WARMUP:-5}"
 MICROBATCH_SIZE="${MICROBATCH_SIZE:-4}"
 MESH="${MESH:-1x4}"
 ROUNDS="${ROUNDS:-2}"
+VARIANTS="${VARIANTS:-shm tcp shm-keep tcp-keep}"
 HSDP_ARGS="${HSDP_ARGS:-}"
 WORLD=4
 RUN_DIR="$(mktemp -d /tmp/hsdp-bench-ddp-XXXXXX)"
+KEEP_POLICY="$RUN_DIR/keep.json"
+echo '{"reshardAfterForward": false}' >"$KEEP_POLICY"
 
 echo "bench: dims $DIMS, $WORLD processes x 1 thread, global batch $((WORLD * MICROBATCH_SIZE)) x seq," \
-  "$STEPS steps ($WARMUP warm-up), hsdp mesh $MESH ${HSDP_ARGS}, $ROUNDS alternating rounds"
+  "$STEPS steps ($WARMUP warm-up), hsdp mesh $MESH, variants: $VARIANTS ${HSDP_ARGS}," \
+  "$ROUNDS alternating rounds"
 for round in $(seq 1 "$ROUNDS"); do
   /usr/bin/python3 bench/ddp/ddp_gpt.py --world "$WORLD" --dims "$DIMS" --steps "$STEPS" \
     --warmup "$WARMUP" --microbatch-size "$MICROBATCH_SIZE" >"$RUN_DIR/ddp-$round.json"
-  # shellcheck disable=SC2086  # HSDP_ARGS is a list of flags
-  "$BUILD_DIR/bin/hsdp-launch" --workers "$WORLD" --mesh "$MESH" --model gpt-small --steps "$STEPS" \
-    --run-dir "$RUN_DIR/hsdp-$round" -- --dims "$DIMS" --microbatch-size "$MICROBATCH_SIZE" \
-    --threads 1 $HSDP_ARGS 2>"$RUN_DIR/launch-$round.log"
+  for variant in $VARIANTS; do
+    flags=()
+    case "$variant" in
+      shm) ;;
+      tcp) flags=(--shared-memory=false) ;;
+      shm-keep) ;;
+      tcp-keep) flags=(--shared-memory=false) ;;
+      *) echo "unknown variant $variant" >&2; exit 2 ;;
+    esac
+    policy=()
+    [[ "$variant" == *-keep ]] && policy=(--policy-file "$KEEP_POLICY")
+    # shellcheck disable=SC2086  # HSDP_ARGS is a list of flags
+    "$BUILD_DIR/bin/hsdp-launch" --workers "$WORLD" --mesh "$MESH" --model gpt-small \
+      --steps "$STEPS" "${policy[@]}" --run-dir "$RUN_DIR/$variant-$round" -- --dims "$DIMS" \
+      --microbatch-size "$MICROBATCH_SIZE" --threads 1 "${flags[@]}" $HSDP_ARGS \
+      2>"$RUN_DIR/launch-$variant-$round.log"
+  done
 done
 
-/usr/bin/python3 - "$RUN_DIR" "$WARMUP" "$WORLD" "$ROUNDS" <<'PY'
+/usr/bin/python3 - "$RUN_DIR" "$WARMUP" "$WORLD" "$ROUNDS" "$VARIANTS" <<'PY'
 import json, re, sys
 run, warmup, world, rounds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+variants = sys.argv[5].split()
 mib = 1 << 20
-hsdp_all, ddp_all = [], []
-for rnd in range(1, rounds + 1):
-    ddp = json.load(open(f"{run}/ddp-{rnd}.json"))
-    ranks = [[json.loads(l) for l in open(f"{run}/hsdp-{rnd}/worker-{r}.jsonl")] for r in range(world)]
+
+def reports(variant, rnd):
+    return [[json.loads(l) for l in open(f"{run}/{variant}-{rnd}/worker-{r}.jsonl")]
+            for r in range(world)]
+
+def step_time(ranks):
     steps = range(warmup, len(ranks[0]))
-    hsdp_step = sum(max(ranks[r][s]["step_seconds"] for r in range(world)) for s in steps) / len(steps)
-    hsdp_all.append(hsdp_step)
-    ddp_all.append(ddp["step_seconds"])
-    print(f"round {rnd}: step time hsdp {hsdp_step:.4f} s, ddp {ddp['step_seconds']:.4f} s, "
-          f"ratio hsdp/ddp {hsdp_step / ddp['step_seconds']:.3f}")
-hsdp_mean, ddp_mean = sum(hsdp_all) / rounds, sum(ddp_all) / rounds
-print(f"step time over {rounds} rounds: hsdp {hsdp_mean:.4f} s, ddp {ddp_mean:.4f} s, "
-      f"ratio hsdp/ddp {hsdp_mean / ddp_mean:.3f} (target < 1)")
+    return sum(max(ranks[r][s]["step_seconds"] for r in range(world)) for s in steps) / len(steps)
+
+def all_gathers(line):
+    # One microbatch: every unit gathers in forward, and again in backward when resharded.
+    raf = line["reshard_after_forward"]
+    return (len(raf) + raf.count("1")) * line.get("microbatches", 1)
+
+ddp = [json.load(open(f"{run}/ddp-{rnd}.json"))["step_seconds"] for rnd in range(1, rounds + 1)]
+print(f"{'variant':<10} {'round':>5} {'step_s':>8} {'ddp_s':>8} {'x DDP':>7} {'all-gathers/step':>17}")
+summary = {}
+for variant in variants:
+    times = []
+    for rnd in range(1, rounds + 1):
+        ranks = reports(variant, rnd)
+        t = step_time(ranks)
+        times.append(t)
+        ag = all_gathers(ranks[0][-1])
+        print(f"{variant:<10} {rnd:>5} {t:>8.4f} {ddp[rnd - 1]:>8.4f} {t / ddp[rnd - 1]:>7.3f} {ag:>17}")
+    summary[variant] = (sum(times) / rounds, ag)
+ddp_mean = sum(ddp) / rounds
+print(f"over {rounds} rounds (DDP on Gloo TCP {ddp_mean:.4f} s):")
+targets = {"tcp": 1.10, "tcp-keep": 1.0}
+for variant, (t, ag) in summary.items():
+    target = f" (target <= {targets[variant]:.2f}x)" if variant in targets else ""
+    print(f"  {variant:<10} {t:.4f} s = {t / ddp_mean:.3f}x DDP, {ag} all-gathers/step{target}")
+last = variants[-1]
 transport = "?"
-for line in open(f"{run}/hsdp-{rounds}/worker-0.log"):
+for line in open(f"{run}/{last}-{rounds}/worker-0.log"):
     m = re.search(r"communicators: (\S+), (\S+)", line)
     if m:
         transport = f"{m.group(1)} / {m.group(2)}"
-print(f"hsdp communicators (shard / replicate group): {transport}")
-hsdp_state = [max(x["peak_memory_bytes"] for x in ranks[r]) for r in range(world)]
-hsdp_rss = [max(x["rss_peak_bytes"] for x in ranks[r]) for r in range(world)]
-print("per-rank peak parameter+gradient+AdamW bytes (MiB), last round:")
+print(f"hsdp communicators of {last} (shard / replicate group): {transport}")
+ranks = reports(last, rounds)
+ddp_last = json.load(open(f"{run}/ddp-{rounds}.json"))
+print(f"per-rank peak memory of {last} (MiB), last round (DDP: parameters + gradients + AdamW):")
 for r in range(world):
-    print(f"  rank {r}: hsdp {hsdp_state[r] / mib:.2f}, ddp {ddp['state_bytes_per_rank'][r] / mib:.2f}, "
-          f"ratio {hsdp_state[r] / ddp['state_bytes_per_rank'][r]:.3f} (target < 0.5)")
-print("per-rank peak RSS (MiB), last round:")
-for r in range(world):
-    print(f"  rank {r}: hsdp {hsdp_rss[r] / mib:.0f}, ddp {ddp['rss_peak_bytes_per_rank'][r] / mib:.0f}")
+    peak = max(x["peak_memory_bytes"] for x in ranks[r])
+    rss = max(x["rss_peak_bytes"] for x in ranks[r])
+    print(f"  rank {r}: hsdp peak {peak / mib:.2f}, ddp state {ddp_last['state_bytes_per_rank'][r] / mib:.2f};"
+          f" RSS hsdp {rss / mib:.0f}, ddp {ddp_last['rss_peak_bytes_per_rank'][r] / mib:.0f}")
 print(f"loss hsdp: step 0 {ranks[0][0]['loss']:.4f} -> step {ranks[0][-1]['step']} {ranks[0][-1]['loss']:.4f}")
 PY
 echo "bench: reports in $RUN_DIR"

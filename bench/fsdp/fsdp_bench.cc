@@ -7,7 +7,10 @@
 //     (target <= 1/S + the largest unit);
 //  3. the engine's fused all-gather / reduce-scatter of one unit vs raw Gloo
 //  collectives of the
-//     same bytes at world 2 (target >= 0.9x throughput).
+//     same bytes at world 2 (target >= 0.9x throughput);
+//  4. step time and collectives per step at world 4 over the schedules the
+//     coordinator's planner seals (default policy vs reshard after forward
+//     off), over both transports side by side.
 // Memory and collectives are measured over both transports of ranks on one
 // host: Gloo TCP and shared memory (the default).
 // Ranks are threads over loopback Gloo; one intra-op thread per rank.
@@ -25,10 +28,14 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/policy.h"
+#include "coordinator/planner.h"
+#include "hsdp/v1/schedule.pb.h"
 #include "worker/comm/device_mesh.h"
 #include "worker/comm/in_memory_store.h"
 #include "worker/fsdp/collectives.h"
 #include "worker/fsdp/fully_shard.h"
+#include "worker/fsdp/planner_units.h"
 #include "worker/fsdp/unit_group.h"
 #include "worker/models/gpt.h"
 
@@ -50,7 +57,16 @@ struct Flags {
   int steps = 30;
   int collective_reps = 100;
   std::vector<int> shard_sizes = {2, 4};
+  // Which of the sections above run (1 step, 2 memory, 3 collectives, 4
+  // schedules).
+  std::vector<std::string> sections = {"step", "memory", "collectives",
+                                       "schedules"};
 };
+
+bool Runs(const Flags& flags, const std::string& section) {
+  return std::find(flags.sections.begin(), flags.sections.end(), section) !=
+         flags.sections.end();
+}
 
 double Seconds(const std::function<void()>& fn) {
   const auto start = std::chrono::steady_clock::now();
@@ -132,7 +148,13 @@ struct ShardedGpt {
     optimizer = std::make_unique<torch::optim::AdamW>(engine->Parameters());
   }
 
-  void Step(const at::Tensor& tokens, const at::Tensor& targets) {
+  // One step; with a schedule, applied first as hsdp-worker does (one
+  // microbatch).
+  void Step(const at::Tensor& tokens, const at::Tensor& targets,
+            const hsdp::v1::StepSchedule* schedule = nullptr) {
+    if (schedule != nullptr) {
+      if (absl::Status s = engine->Apply(*schedule, 0); !s.ok()) Die(s);
+    }
     at::Tensor loss = engine->Root().Forward(
         tokens, [&](const at::Tensor& t) { return model->Loss(t, targets); });
     loss.backward();
@@ -335,6 +357,111 @@ void CollectiveThroughput(const models::GptConfig& config, const Flags& flags,
   });
 }
 
+// The schedules section 4 compares: the planner's for two policies (protobuf
+// text), and the default policy as the planner sealed it before the root rule
+// and the execution-order backward prefetch (the root resharded after forward
+// and re-gathered at once by backward; unit i prefetching i-1 in backward, so
+// the root's list missed the last block and unit 1 "prefetched" the unsharded
+// root), for a before/after comparison in one run.
+struct ScheduleVariant {
+  const char* name;
+  const char* policy;
+  bool legacy = false;
+};
+constexpr ScheduleVariant kScheduleVariants[] = {
+    {"default policy", ""},
+    {"default, legacy planner", "", true},
+    {"reshard_after_forward off", "reshard_after_forward: false"},
+};
+
+hsdp::v1::StepSchedule LegacySchedule(hsdp::v1::StepSchedule schedule) {
+  for (int i = 0; i < schedule.units_size(); ++i) {
+    hsdp::v1::UnitSchedule* u = schedule.mutable_units(i);
+    if (i == 0) {
+      u->set_reshard_after_forward(true);
+      u->set_reshard_after_backward(true);
+    }
+    u->clear_backward_prefetch();
+    if (i > 0) u->add_backward_prefetch(i - 1);
+  }
+  return schedule;
+}
+
+void ScheduledSteps(const models::GptConfig& config, const Flags& flags,
+                    Transport transport) {
+  constexpr int kWorld = 4;
+  constexpr int kVariants = std::size(kScheduleVariants);
+  std::vector<double> seconds[kVariants];
+  std::vector<double> compute_seconds;
+  UnitStats per_step[kVariants];
+  RunRanks(kWorld, transport, [&](int rank, comm::DeviceMesh& mesh) {
+    ShardedGpt sharded(config, mesh);
+    // The compute floor: the same model and local batch, unsharded, no
+    // communication, run by every rank at once (the same contention).
+    models::Gpt plain(config, kSeed);
+    torch::optim::AdamW plain_opt(plain->parameters());
+    coordinator::Planner planner(PlannerUnits(*sharded.engine), kWorld);
+    std::vector<hsdp::v1::StepSchedule> schedules;
+    for (const ScheduleVariant& v : kScheduleVariants) {
+      absl::StatusOr<hsdp::v1::Policy> policy = ParsePolicy(v.policy);
+      if (!policy.ok()) ShardedGpt::Die(policy.status());
+      hsdp::v1::StepSchedule schedule =
+          planner.Plan(*policy, coordinator::PlanInput());
+      schedules.push_back(v.legacy ? LegacySchedule(std::move(schedule))
+                                   : std::move(schedule));
+    }
+    torch::manual_seed(kSeed + rank);
+    auto [tokens, targets] = Tokens(config, std::max(1, flags.batch / kWorld));
+    auto plain_step = [&] {
+      plain->Loss(tokens, targets).backward();
+      plain_opt.step();
+      plain_opt.zero_grad();
+    };
+    for (int i = 0; i < kWarmupSteps; ++i) {
+      plain_step();
+      for (const auto& schedule : schedules) {
+        sharded.Step(tokens, targets, &schedule);
+      }
+    }
+    for (int i = 0; i < flags.steps; ++i) {  // interleaved: same machine load
+      (void)mesh.shard().Barrier()->Wait();
+      const double compute = Seconds(plain_step);
+      if (rank == 0) compute_seconds.push_back(compute);
+      (void)mesh.shard().Barrier()->Wait();
+      // Rotated each step: no variant always runs first after the floor.
+      for (int k = 0; k < kVariants; ++k) {
+        const int v = (i + k) % kVariants;
+        sharded.engine->ResetStats();
+        const double s =
+            Seconds([&] { sharded.Step(tokens, targets, &schedules[v]); });
+        if (rank != 0) continue;
+        seconds[v].push_back(s);
+        UnitStats total;
+        for (const UnitStats& u : sharded.engine->Stats().units) {
+          total.all_gathers += u.all_gathers;
+          total.reduce_scatters += u.reduce_scatters;
+        }
+        per_step[v] = total;
+      }
+    }
+  });
+  std::printf(
+      "steps over the planner's schedules, world 4 (1x4, %s, batch %d, "
+      "median of %d interleaved; compute floor: plain LibTorch on the local "
+      "batch, no communication, %.1f ms):\n",
+      TransportName(transport), flags.batch, flags.steps,
+      Median(compute_seconds) * 1e3);
+  for (int v = 0; v < kVariants; ++v) {
+    std::printf(
+        "  %-26s %8.1f ms (x %.3f of the default policy), %ld all-gathers, "
+        "%ld reduce-scatters per step\n",
+        kScheduleVariants[v].name, Median(seconds[v]) * 1e3,
+        Median(seconds[v]) / Median(seconds[0]),
+        static_cast<long>(per_step[v].all_gathers),
+        static_cast<long>(per_step[v].reduce_scatters));
+  }
+}
+
 }  // namespace
 }  // namespace hsdp::fsdp
 
@@ -353,6 +480,9 @@ int main(int argc, char** argv) {
   app.add_option("--shard-sizes", flags.shard_sizes,
                  "worlds for the memory ratio")
       ->delimiter(',');
+  app.add_option("--sections", flags.sections,
+                 "sections to run: step,memory,collectives,schedules")
+      ->delimiter(',');
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
@@ -367,14 +497,20 @@ int main(int argc, char** argv) {
     return hsdp::fsdp::kExitBadFlags;
   }
   at::set_num_threads(1);
-  hsdp::fsdp::StepTime(*config, flags);
+  using hsdp::fsdp::Runs;
   using hsdp::fsdp::Transport;
+  if (Runs(flags, "step")) hsdp::fsdp::StepTime(*config, flags);
   for (Transport t : {Transport::kSharedMemory, Transport::kGlooTcp}) {
+    if (!Runs(flags, "memory")) break;
     for (int s : flags.shard_sizes)
       hsdp::fsdp::MemoryRatio(*config, flags, s, t);
   }
   for (Transport t : {Transport::kGlooTcp, Transport::kSharedMemory}) {
-    hsdp::fsdp::CollectiveThroughput(*config, flags, t);
+    if (Runs(flags, "collectives"))
+      hsdp::fsdp::CollectiveThroughput(*config, flags, t);
+  }
+  for (Transport t : {Transport::kSharedMemory, Transport::kGlooTcp}) {
+    if (Runs(flags, "schedules")) hsdp::fsdp::ScheduledSteps(*config, flags, t);
   }
   return 0;
 }

@@ -183,8 +183,15 @@ TEST_F(HsdpctlTest, ScheduleCheckpointAndDrain) {
   EXPECT_NE(r.out.find("step 0  policy version 1"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("UNIT  NAME      RESHARD_FWD"), std::string::npos)
       << r.out;
+  // The planner's root rule and execution-order prefetch: the root stays
+  // unsharded and prefetches the last block in backward; nobody prefetches
+  // the root.
   EXPECT_NE(
-      r.out.find("1     layers.0  yes          yes          2             0"),
+      r.out.find("0     root      no           no           1             3"),
+      std::string::npos)
+      << r.out;
+  EXPECT_NE(
+      r.out.find("1     layers.0  yes          yes          2             -"),
       std::string::npos)
       << r.out;
   r = Ctl({"schedule", "--step", "7"});

@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include "common/policy.h"
 #include "tests/coordinator/core_test_util.h"
 
@@ -22,6 +24,12 @@ std::vector<int> Bwd(const StepSchedule& s, int unit) {
   return std::vector<int>(l.begin(), l.end());
 }
 
+std::vector<bool> Kept(const StepSchedule& s) {
+  std::vector<bool> kept;
+  for (const auto& u : s.units()) kept.push_back(!u.reshard_after_forward());
+  return kept;
+}
+
 TEST(PlannerTest, DefaultPolicy) {
   Planner planner(MakeUnits(3), 2);
   const StepSchedule s = planner.Plan(Policy(), {7, 2, 5, false});
@@ -29,43 +37,108 @@ TEST(PlannerTest, DefaultPolicy) {
   EXPECT_EQ(s.policy_version(), 2);
   EXPECT_EQ(s.generation(), 5);
   EXPECT_FALSE(s.checkpoint());
+  EXPECT_EQ(s.predicted_peak_bytes(), 0);  // manual mode
+  EXPECT_FALSE(s.over_memory_budget());
   ASSERT_EQ(s.microbatches_size(), 1);
   EXPECT_TRUE(s.microbatches(0).requires_grad_sync());
   EXPECT_TRUE(s.microbatches(0).requires_all_reduce());
   EXPECT_TRUE(s.microbatches(0).is_last_backward());
   ASSERT_EQ(s.units_size(), 4);
-  for (int i = 0; i < 4; ++i) {
-    EXPECT_EQ(s.units(i).unit_index(), i);
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(s.units(i).unit_index(), i);
+  // The root rule: the root stays unsharded from its forward to its backward.
+  EXPECT_FALSE(s.units(0).reshard_after_forward());
+  EXPECT_FALSE(s.units(0).reshard_after_backward());
+  for (int i = 1; i < 4; ++i) {
     EXPECT_TRUE(s.units(i).reshard_after_forward());
     EXPECT_TRUE(s.units(i).reshard_after_backward());
   }
   EXPECT_EQ(s.units(0).unit_name(), "root");
   EXPECT_EQ(s.units(3).unit_name(), "layers.2");
+  // Forward order root, 1, 2, 3: each unit prefetches the next.
   EXPECT_EQ(Fwd(s, 0), (std::vector<int>{1}));
   EXPECT_EQ(Fwd(s, 2), (std::vector<int>{3}));
   EXPECT_EQ(Fwd(s, 3), (std::vector<int>{}));
-  EXPECT_EQ(Bwd(s, 0), (std::vector<int>{}));
-  EXPECT_EQ(Bwd(s, 1), (std::vector<int>{0}));
+  // Backward order root, 3, 2, 1: the root prefetches the last block, and
+  // nobody prefetches the root (already unsharded).
+  EXPECT_EQ(Bwd(s, 0), (std::vector<int>{3}));
   EXPECT_EQ(Bwd(s, 3), (std::vector<int>{2}));
+  EXPECT_EQ(Bwd(s, 2), (std::vector<int>{1}));
+  EXPECT_EQ(Bwd(s, 1), (std::vector<int>{}));
 }
 
-TEST(PlannerTest, PrefetchDepthsFollowUnitOrder) {
+TEST(PlannerTest, PrefetchDepthsFollowExecutionOrder) {
   Planner planner(MakeUnits(5), 1);
   StepSchedule s = planner.Plan(
       P("forward_prefetch_depth: 2 backward_prefetch_depth: 3"), {0, 1, 0});
   EXPECT_EQ(Fwd(s, 0), (std::vector<int>{1, 2}));
   EXPECT_EQ(Fwd(s, 4), (std::vector<int>{5}));
   EXPECT_EQ(Fwd(s, 5), (std::vector<int>{}));
+  EXPECT_EQ(Bwd(s, 0), (std::vector<int>{5, 4, 3}));
   EXPECT_EQ(Bwd(s, 5), (std::vector<int>{4, 3, 2}));
-  EXPECT_EQ(Bwd(s, 2), (std::vector<int>{1, 0}));
+  EXPECT_EQ(Bwd(s, 2), (std::vector<int>{1}));
+  EXPECT_EQ(Bwd(s, 1), (std::vector<int>{}));
   s = planner.Plan(P("forward_prefetch_depth: 0 backward_prefetch_depth: 0"),
                    {0, 1, 0});
   for (int i = 0; i < s.units_size(); ++i) {
     EXPECT_TRUE(Fwd(s, i).empty());
     EXPECT_TRUE(Bwd(s, i).empty());
   }
-  s = planner.Plan(P("forward_prefetch_depth: 16"), {0, 1, 0});
+  s = planner.Plan(P("forward_prefetch_depth: 16 backward_prefetch_depth: 16"),
+                   {0, 1, 0});
   EXPECT_EQ(Fwd(s, 0), (std::vector<int>{1, 2, 3, 4, 5}));
+  EXPECT_EQ(Bwd(s, 0), (std::vector<int>{5, 4, 3, 2, 1}));
+}
+
+// A unit kept unsharded after forward needs no backward all-gather: the
+// backward lists skip it and reach the next unit that does.
+TEST(PlannerTest, BackwardPrefetchSkipsKeptUnits) {
+  Planner planner(MakeUnits(5), 2);
+  StepSchedule s = planner.Plan(P(R"(
+      backward_prefetch_depth: 2
+      overrides { unit_glob: "layers.3" reshard_after_forward: false }
+      overrides { unit_glob: "layers.4" reshard_after_forward: false })"),
+                                {0, 1, 0});
+  EXPECT_EQ(Kept(s),
+            (std::vector<bool>{true, false, false, false, true, true}));
+  EXPECT_EQ(Bwd(s, 0), (std::vector<int>{3, 2}));  // skips 5 and 4
+  EXPECT_EQ(Bwd(s, 5), (std::vector<int>{3, 2}));
+  EXPECT_EQ(Bwd(s, 4), (std::vector<int>{3, 2}));
+  EXPECT_EQ(Bwd(s, 3), (std::vector<int>{2, 1}));
+  EXPECT_EQ(Bwd(s, 1), (std::vector<int>{}));
+  // Forward lists are positional: every unit is sharded when a step starts.
+  EXPECT_EQ(Fwd(s, 3), (std::vector<int>{4}));
+  // Everything kept: no backward all-gather, so no backward prefetch at all.
+  s = planner.Plan(P("reshard_after_forward: false"), {0, 1, 0});
+  for (int i = 0; i < s.units_size(); ++i) EXPECT_TRUE(Bwd(s, i).empty()) << i;
+}
+
+TEST(PlannerTest, RootRuleOnlyAnExactRootOverrideReshardsTheRoot) {
+  Planner planner(MakeUnits(2), 2);
+  // The policy default and a wildcard do not reach the root.
+  for (const char* text : {
+           "reshard_after_forward: true reshard_after_backward: true",
+           R"(overrides { unit_glob: "*" reshard_after_forward: true
+                          reshard_after_backward: true })",
+           R"(overrides { unit_glob: "roo?" reshard_after_forward: true })",
+       }) {
+    const StepSchedule s = planner.Plan(P(text), {0, 1, 0});
+    EXPECT_FALSE(s.units(0).reshard_after_forward()) << text;
+    EXPECT_FALSE(s.units(0).reshard_after_backward()) << text;
+    EXPECT_TRUE(s.units(1).reshard_after_forward()) << text;
+  }
+  // An override naming "root" exactly pins it (later overrides win).
+  StepSchedule s = planner.Plan(P(R"(
+      overrides { unit_glob: "root" reshard_after_forward: false }
+      overrides { unit_glob: "root" reshard_after_forward: true }
+      overrides { unit_glob: "root" reshard_after_backward: true })"),
+                                {0, 1, 0});
+  EXPECT_TRUE(s.units(0).reshard_after_forward());
+  EXPECT_TRUE(s.units(0).reshard_after_backward());
+  // The root is first in backward order: still nobody prefetches it.
+  for (int i = 0; i < s.units_size(); ++i) {
+    for (int j : Bwd(s, i)) EXPECT_NE(j, 0);
+    for (int j : Fwd(s, i)) EXPECT_NE(j, 0);
+  }
 }
 
 TEST(PlannerTest, OverridesApplyInOrder) {
@@ -76,8 +149,8 @@ TEST(PlannerTest, OverridesApplyInOrder) {
       overrides { unit_glob: "layers.1?" reshard_after_forward: true }
       overrides { unit_glob: "root" reshard_after_backward: true })"),
                                       {0, 1, 0});
-  EXPECT_TRUE(s.units(0).reshard_after_forward());    // root: default
-  EXPECT_TRUE(s.units(0).reshard_after_backward());   // root override
+  EXPECT_FALSE(s.units(0).reshard_after_forward());   // root rule
+  EXPECT_TRUE(s.units(0).reshard_after_backward());   // exact root override
   EXPECT_FALSE(s.units(1).reshard_after_forward());   // layers.0
   EXPECT_FALSE(s.units(1).reshard_after_backward());  // policy default false
   EXPECT_FALSE(s.units(10).reshard_after_forward());  // layers.9
@@ -144,59 +217,115 @@ TEST(PlannerTest, DeterministicBytes) {
             b.Plan(p, {3, 4, 1}).SerializeAsString());
 }
 
-// Root 400 bytes, three layers of 100, S = 2, prefetch depth 1 (see
-// PredictPeakBytes): sharded state = 4 * (200 + 3 * 50) = 1400.
-UnitList BudgetUnits() { return MakeUnits(400, {100, 100, 100}); }
-
-TEST(PlannerTest, PredictPeakBytesModel) {
-  const UnitList units = BudgetUnits();
-  // Nothing kept: the worst window is root's backward: 400 (gradient) + 400 =
-  // 800.
-  EXPECT_EQ(
-      Planner::PredictPeakBytes(units, 2, {false, false, false, false}, 1, 1),
-      2200);
-  // Everything kept: + 700 unsharded, window is only root's gradient (400).
-  EXPECT_EQ(Planner::PredictPeakBytes(units, 2, {true, true, true, true}, 1, 1),
-            2500);
-  // layers.2 kept: + 100, window unchanged.
-  EXPECT_EQ(
-      Planner::PredictPeakBytes(units, 2, {false, false, false, true}, 1, 1),
-      2300);
-  // Deeper prefetch widens the window: forward from root is 400 + 100 + 100.
-  EXPECT_EQ(
-      Planner::PredictPeakBytes(units, 2, {false, false, false, false}, 2, 0),
-      2200);
-  EXPECT_EQ(
-      Planner::PredictPeakBytes(units, 1, {false, false, false, false}, 1, 1),
-      4 * 700 + 800);
+TEST(PlannerTest, CountCollectivesFollowsTheFlags) {
+  Planner planner(MakeUnits(3), 2);  // 4 units
+  // Default: every unit gathers in forward, the three blocks again in
+  // backward; one reduce-scatter each; one all-reduce each with replicas.
+  CollectiveCounts c = CountCollectives(planner.Plan(Policy(), {}), 2);
+  EXPECT_EQ(c.all_gathers, 4 + 3);
+  EXPECT_EQ(c.reduce_scatters, 4);
+  EXPECT_EQ(c.all_reduces, 4);
+  EXPECT_EQ(CountCollectives(planner.Plan(Policy(), {}), 1).all_reduces, 0);
+  // Kept after forward: no backward gathers.
+  c = CountCollectives(planner.Plan(P("reshard_after_forward: false"), {}), 1);
+  EXPECT_EQ(c.all_gathers, 4);
+  // Two microbatches, syncing last only, blocks resharded after backward: the
+  // second forward gathers the blocks again (the root stays unsharded).
+  c = CountCollectives(planner.Plan(P("microbatches: 2"), {}), 2);
+  EXPECT_EQ(c.all_gathers, (4 + 3) + (3 + 3));
+  EXPECT_EQ(c.reduce_scatters, 4);
+  EXPECT_EQ(c.all_reduces, 4);
+  // Kept after backward too: the second microbatch gathers nothing in
+  // forward.
+  c = CountCollectives(
+      planner.Plan(P("microbatches: 2 reshard_after_backward: false"), {}), 2);
+  EXPECT_EQ(c.all_gathers, (4 + 3) + 3);
+  // Syncing every microbatch, all-reducing on the last only.
+  c = CountCollectives(
+      planner.Plan(P("microbatches: 2 grad_sync: GRAD_SYNC_MODE_EVERY_"
+                     "MICROBATCH"),
+                   {}),
+      2);
+  EXPECT_EQ(c.reduce_scatters, 8);
+  EXPECT_EQ(c.all_reduces, 4);
 }
 
-std::vector<bool> Kept(const StepSchedule& s) {
-  std::vector<bool> kept;
-  for (const auto& u : s.units()) kept.push_back(!u.reshard_after_forward());
-  return kept;
+// Root 400 bytes, six layers of 100, S = 2.
+UnitList BudgetUnits() {
+  return MakeUnits(400, {100, 100, 100, 100, 100, 100});
+}
+
+int64_t PeakOf(const Planner& planner, const Policy& policy) {
+  Planner scratch(planner.units(), planner.memory_model().options());
+  return scratch.PredictPeak(scratch.Plan(policy, {})).Total();
 }
 
 TEST(PlannerTest, MemoryBudgetKeepsWhatFits) {
   Planner planner(BudgetUnits(), 2);
-  // Huge budget: every unit stays unsharded after forward (no backward
+  const int64_t least = PeakOf(planner, P("reshard_after_forward: true"));
+  const int64_t most = PeakOf(planner, P("reshard_after_forward: false"));
+  ASSERT_LT(least, most);
+  // Huge budget: every block stays unsharded after forward (no backward
   // all-gathers).
   StepSchedule s = planner.Plan(P("memory_budget_bytes: 1000000"), {0, 1, 0});
-  EXPECT_EQ(Kept(s), (std::vector<bool>{true, true, true, true}));
-  // Below the all-resharded prediction: best effort, nothing kept.
-  s = planner.Plan(P("memory_budget_bytes: 1"), {1, 1, 0});
-  EXPECT_EQ(Kept(s), (std::vector<bool>{false, false, false, false}));
-  // 2300: the smallest, latest unit (layers.2) fits; then layers.1/layers.0
-  // would raise the prediction to 2400, but keeping root too shrinks root's
-  // backward window: 2300.
-  s = planner.Plan(P("memory_budget_bytes: 2300"), {2, 1, 0});
-  EXPECT_EQ(Kept(s), (std::vector<bool>{true, false, false, true}));
-  EXPECT_LE(planner.last_predicted_peak_bytes(), 2300);
+  EXPECT_EQ(Kept(s), std::vector<bool>(7, true));
+  EXPECT_EQ(s.predicted_peak_bytes(), most);
+  EXPECT_FALSE(s.over_memory_budget());
+  // Exactly the least peak: not over, and only what costs nothing at the peak
+  // is kept (the last blocks: backward reaches them before the peak, which is
+  // mid-backward, where a reduce-scatter overlaps the next unit's gradients).
+  Policy p;
+  p.set_memory_budget_bytes(least);
+  s = planner.Plan(p, {1, 1, 0});
+  EXPECT_FALSE(s.over_memory_budget());
+  EXPECT_EQ(s.predicted_peak_bytes(), least);
+  EXPECT_EQ(Kept(s),
+            (std::vector<bool>{true, false, false, false, false, true, true}));
+  // In between: some kept, the latest blocks first (equal sizes), within the
+  // budget.
+  p.set_memory_budget_bytes((least + most) / 2);
+  s = planner.Plan(p, {2, 1, 0});
+  const std::vector<bool> kept = Kept(s);
+  const int n_kept =
+      static_cast<int>(std::count(kept.begin(), kept.end(), true));
+  EXPECT_GT(n_kept, 1);
+  EXPECT_LT(n_kept, 7);
+  EXPECT_TRUE(kept.back());
+  EXPECT_LE(s.predicted_peak_bytes(), p.memory_budget_bytes());
+  EXPECT_EQ(s.predicted_peak_bytes(), planner.last_predicted_peak_bytes());
+  // The backward lists follow the choice: no kept block is prefetched.
+  for (int i = 0; i < s.units_size(); ++i) {
+    for (int j : Bwd(s, i)) EXPECT_TRUE(s.units(j).reshard_after_forward());
+  }
   // Explicit overrides are not second-guessed.
   s = planner.Plan(P(R"(memory_budget_bytes: 1000000
                         overrides { unit_glob: "layers.1" reshard_after_forward: true })"),
                    {3, 1, 0});
-  EXPECT_EQ(Kept(s), (std::vector<bool>{true, true, false, true}));
+  EXPECT_EQ(Kept(s),
+            (std::vector<bool>{true, true, false, true, true, true, true}));
+}
+
+TEST(PlannerTest, MemoryBudgetBelowTheLeastPeakRunsTheLeastPlanAndSaysSo) {
+  Planner planner(BudgetUnits(), 2);
+  const int64_t least = PeakOf(planner, Policy());
+  Policy p;
+  p.set_memory_budget_bytes(least - 1);
+  const StepSchedule s = planner.Plan(p, {0, 1, 0});
+  EXPECT_TRUE(s.over_memory_budget());
+  EXPECT_EQ(s.predicted_peak_bytes(), least);
+  EXPECT_EQ(Kept(s), (std::vector<bool>{true, false, false, false, false, false,
+                                        false}));
+  // SetPolicy's check refuses it, naming the field and both figures.
+  const absl::Status refused = planner.CheckMemoryBudget(p);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.message().find("policy.memory_budget_bytes"),
+            std::string::npos)
+      << refused;
+  EXPECT_NE(refused.message().find(std::to_string(least)), std::string::npos)
+      << refused;
+  p.set_memory_budget_bytes(least);
+  EXPECT_TRUE(planner.CheckMemoryBudget(p).ok());
+  EXPECT_TRUE(planner.CheckMemoryBudget(Policy()).ok());  // manual mode
 }
 
 TEST(PlannerTest, MemoryBudgetMonotoneInBudget) {
@@ -210,43 +339,76 @@ TEST(PlannerTest, MemoryBudgetMonotoneInBudget) {
     for (bool k : Kept(s)) kept += k;
     EXPECT_GE(kept, previous) << budget;
     previous = kept;
-    if (kept > 0) {
+    if (!s.over_memory_budget()) {
       EXPECT_LE(planner.last_predicted_peak_bytes(), budget);
     }
   }
   EXPECT_EQ(previous, 7);
 }
 
-TEST(PlannerTest, CorrectsFromReportedPeaks) {
+TEST(PlannerTest, CorrectsFromReportedPeaksAndActivations) {
   Planner planner(BudgetUnits(), 2);
-  const Policy p = P("memory_budget_bytes: 2300");
+  const int64_t least = PeakOf(planner, Policy());
+  const int64_t most = PeakOf(planner, P("reshard_after_forward: false"));
+  Policy p;
+  p.set_memory_budget_bytes(most);
   StepSchedule s = planner.Plan(p, {0, 1, 0});
-  EXPECT_EQ(Kept(s), (std::vector<bool>{true, false, false, true}));
-  EXPECT_DOUBLE_EQ(planner.memory_correction(), 1.0);
-  // Ranks measured twice the prediction (2300): the next step keeps nothing.
-  planner.ObservePeakMemory(0, 3000);
-  planner.ObservePeakMemory(0, 4600);
-  EXPECT_DOUBLE_EQ(planner.memory_correction(), 2.0);
+  EXPECT_EQ(Kept(s), std::vector<bool>(7, true));
+  EXPECT_EQ(planner.memory_correction_bytes(), 0);
+  // Ranks measured 300 bytes more than predicted: the next step keeps fewer.
+  planner.ObservePeakMemory(0, most + 100, 0);
+  planner.ObservePeakMemory(0, most + 300, 0);
+  planner.ObservePeakMemory(0, most + 200, 0);  // not the max: changes nothing
+  EXPECT_EQ(planner.memory_correction_bytes(), 300);
   s = planner.Plan(p, {1, 1, 0});
-  EXPECT_EQ(Kept(s), (std::vector<bool>{false, false, false, false}));
-  // Step 1 (predicted 2200) measured at 2200: back to the uncorrected choice.
-  planner.ObservePeakMemory(1, 2200);
-  EXPECT_DOUBLE_EQ(planner.memory_correction(), 1.0);
-  // A late report for an older step does not override the newer one.
-  planner.ObservePeakMemory(0, 9000);
-  EXPECT_DOUBLE_EQ(planner.memory_correction(), 1.0);
-  s = planner.Plan(p, {2, 1, 0});
-  EXPECT_EQ(Kept(s), (std::vector<bool>{true, false, false, true}));
-  // Absurd reports are clamped.
-  planner.ObservePeakMemory(2, 1);
-  EXPECT_DOUBLE_EQ(planner.memory_correction(), kMinMemoryCorrection);
+  EXPECT_LE(s.predicted_peak_bytes(), most);
+  EXPECT_NE(Kept(s), std::vector<bool>(7, true));
+  // Step 1 measured exactly as predicted raw, and reported activations: the
+  // correction is the largest of the window (still 300 from step 0); the
+  // activations enter the model.
+  const int64_t raw1 = planner.PredictPeak(s).Total();
+  planner.ObservePeakMemory(1, raw1 + 600, 600);
+  EXPECT_EQ(planner.activation_bytes(), 600);
+  const int64_t correction1 =
+      raw1 + 600 - planner.memory_model().PredictPeak(s, 600).Total();
+  EXPECT_LT(correction1, 600);  // the activations explain part of it
+  EXPECT_EQ(planner.memory_correction_bytes(),
+            std::max<int64_t>(300, correction1));
+  // After the window moved past step 0 the correction is the newer steps'.
+  for (int64_t step = 2; step <= 1 + kCorrectionWindowSteps; ++step) {
+    s = planner.Plan(p, {step, 1, 0});
+    planner.ObservePeakMemory(step, planner.PredictPeak(s).Total() + 50, 600);
+  }
+  EXPECT_EQ(planner.memory_correction_bytes(), 50);
+  // A late report for a step older than the window changes nothing.
+  planner.ObservePeakMemory(0, most * 4, 0);
+  EXPECT_EQ(planner.memory_correction_bytes(), 50);
+  // An absurd report is clamped: the corrected prediction stays within a
+  // factor of the raw one, so the least plan still runs.
+  s = planner.Plan(p, {10, 1, 0});
+  planner.ObservePeakMemory(10, least * 1000, 600);
+  s = planner.Plan(p, {11, 1, 0});
+  EXPECT_TRUE(s.over_memory_budget());
+  EXPECT_LE(s.predicted_peak_bytes(),
+            planner.PredictPeak(s).Total() * kMaxCorrectionRatio);
 }
 
-TEST(PlannerTest, ManualModeIgnoresPeakReports) {
+TEST(PlannerTest, ManualModeLearnsTooSoABudgetSetLaterIsInformed) {
   Planner planner(BudgetUnits(), 2);
-  planner.Plan(Policy(), {0, 1, 0});
-  planner.ObservePeakMemory(0, 1 << 30);
-  EXPECT_DOUBLE_EQ(planner.memory_correction(), 1.0);
+  const StepSchedule s = planner.Plan(Policy(), {0, 1, 0});
+  planner.ObservePeakMemory(0, planner.PredictPeak(s).Total() + 1000, 0);
+  EXPECT_EQ(planner.memory_correction_bytes(), 1000);
+  // Manual schedules stay exactly what the policy says.
+  EXPECT_EQ(planner.Plan(Policy(), {1, 1, 0}).predicted_peak_bytes(), 0);
+  // A budget the uncorrected model would accept is refused with the
+  // correction.
+  Policy p;
+  p.set_memory_budget_bytes(PeakOf(planner, Policy()) + 500);
+  EXPECT_EQ(planner.CheckMemoryBudget(p).code(),
+            absl::StatusCode::kInvalidArgument);
+  // Reports for steps never planned are ignored.
+  planner.ObservePeakMemory(99, 1 << 30, 0);
+  EXPECT_EQ(planner.memory_correction_bytes(), 1000);
 }
 
 }  // namespace

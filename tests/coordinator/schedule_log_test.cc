@@ -162,6 +162,52 @@ TEST(ScheduleLogTest, InitialPolicyGlobCheckedWhenUnitsArrive) {
   EXPECT_TRUE(s->sealed->schedule.units(1).reshard_after_forward());
 }
 
+// A budget below the least peak the model can reach: refused by SetPolicy
+// once the model is known (the running policy stays), reported on every
+// sealed step when it came in before the model (the initial policy).
+TEST(ScheduleLogTest, MemoryBudgetBelowTheLeastPeakIsRefusedOrReported) {
+  auto log = MakeLog(2, 4);
+  ASSERT_TRUE(log->SetPolicy(P("memory_budget_bytes: 1000000")).ok());
+  absl::StatusOr<PolicyInfo> refused =
+      log->SetPolicy(P("memory_budget_bytes: 10"));
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("policy.memory_budget_bytes"),
+            std::string::npos)
+      << refused.status();
+  EXPECT_EQ(log->CurrentPolicy().version, 2);
+  absl::StatusOr<ScheduleRead> s = log->GetSchedule(0, 0, Soon());
+  ASSERT_TRUE(s.ok());
+  EXPECT_FALSE(s->sealed->schedule.over_memory_budget());
+  EXPECT_GT(s->sealed->schedule.predicted_peak_bytes(), 0);
+
+  auto early = MakeLog(2, 4, nullptr, P("memory_budget_bytes: 10"),
+                       /*units=*/false);
+  ASSERT_TRUE(early->SetUnits(MakeUnits(3)).ok());
+  s = early->GetSchedule(0, 0, Soon());
+  ASSERT_TRUE(s.ok());
+  EXPECT_TRUE(s->sealed->schedule.over_memory_budget());
+  for (int i = 1; i < s->sealed->schedule.units_size(); ++i) {
+    EXPECT_TRUE(s->sealed->schedule.units(i).reshard_after_forward());
+  }
+}
+
+// Reported peaks reach the planner: a step measured above its prediction
+// raises the correction the next steps are planned with.
+TEST(ScheduleLogTest, ReportedPeaksCorrectTheMemoryModel) {
+  auto log = MakeLog(2, 4, nullptr, P("memory_budget_bytes: 1000000"));
+  absl::StatusOr<ScheduleRead> s = log->GetSchedule(0, 0, Soon());
+  ASSERT_TRUE(s.ok());
+  const int64_t predicted = s->sealed->schedule.predicted_peak_bytes();
+  for (int rank = 0; rank < 2; ++rank) {
+    hsdp::v1::StepReport report;
+    report.set_rank(rank);
+    report.set_step(0);
+    report.set_peak_memory_bytes(predicted + 1000 * (rank + 1));
+    ASSERT_TRUE(log->RecordReport(report).ok());
+  }
+  EXPECT_EQ(log->memory_correction_bytes(), 2000);
+}
+
 TEST(ScheduleLogTest, ReadAheadWindowWaitsOrRefuses) {
   // world 2, read-ahead 2 -> refuse beyond 4 * 2 = 8 past floor + 1.
   auto log = MakeLog(2, 2);

@@ -362,6 +362,22 @@ absl::StatusOr<hsdp::v1::GetScheduleResponse> Agent::FetchSchedule(
 
 absl::StatusOr<hsdp::v1::GetScheduleResponse> Agent::GetSchedule(
     int64_t step, int64_t last_step) {
+  if (options_.watch_schedules) {
+    // One stream per generation: a new generation's schedules come on a new
+    // stream (the old one ended ABORTED).
+    if (schedule_stream_ == nullptr ||
+        schedule_stream_->generation() != generation()) {
+      schedule_stream_.reset();
+      schedule_stream_ = std::make_unique<ScheduleStream>(
+          stub_.get(), options_.job_id, worker_id(), rank(), generation(), step,
+          ScheduleStream::Options{options_.initial_backoff,
+                                  options_.max_backoff});
+    }
+    if (auto pushed =
+            schedule_stream_->Take(step, options_.schedule_poll_timeout)) {
+      return *std::move(pushed);
+    }
+  }
   absl::StatusOr<hsdp::v1::GetScheduleResponse> result;
   const int64_t current = generation();
   if (prefetch_.valid() && prefetch_step_ == step &&

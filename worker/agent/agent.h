@@ -53,6 +53,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "hsdp/v1/coordinator_service.grpc.pb.h"
+#include "worker/agent/schedule_stream.h"
 
 namespace hsdp::agent {
 
@@ -92,6 +93,10 @@ struct AgentOptions {
   // private key, both or neither.
   std::string tls_client_cert_pem;
   std::string tls_client_key_pem;
+  // Take schedules from the coordinator's WatchSchedules push stream
+  // (schedule_stream.h) while it serves them; GetSchedule covers the rest and
+  // older coordinators.
+  bool watch_schedules = true;
 };
 
 // Paths from the worker's command line (empty: not given): --job-token-file,
@@ -133,9 +138,10 @@ class Agent {
   // Step the worker is on, carried by heartbeats.
   void SetCurrentStep(int64_t step) { current_step_.store(step); }
 
-  // The sealed schedule of `step`: the prefetched answer when there is one,
-  // else a direct call. Then starts fetching `step + 1` in the background
-  // unless `step + 1 > last_step`.
+  // The sealed schedule of `step`: pushed over the schedule stream when it
+  // serves it (watch_schedules), else the prefetched answer when there is one,
+  // else a direct call; the last two then start fetching `step + 1` in the
+  // background unless `step + 1 > last_step`.
   absl::StatusOr<hsdp::v1::GetScheduleResponse> GetSchedule(int64_t step,
                                                             int64_t last_step);
   absl::Status ReportStep(const hsdp::v1::StepReport& report, bool finished);
@@ -251,6 +257,8 @@ class Agent {
   int64_t prefetch_step_ = -1;
   int64_t prefetch_generation_ = -1;
   std::future<absl::StatusOr<hsdp::v1::GetScheduleResponse>> prefetch_;
+  // Opened by the first GetSchedule (watch_schedules); same single consumer.
+  std::unique_ptr<ScheduleStream> schedule_stream_;
 
   std::thread heartbeat_;
   std::thread watcher_;

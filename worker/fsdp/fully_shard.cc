@@ -346,39 +346,9 @@ std::vector<UnitInfo> Engine::Units() const {
   return out;
 }
 
-EngineStats Engine::Stats() const {
-  EngineStats s;
-  for (const auto& unit : core_->units) {
-    if (unit == nullptr) continue;
-    UnitStats u = unit->Stats();
-    s.sharded_bytes += u.sharded_bytes;
-    s.unsharded_bytes_alive += u.unsharded_bytes_alive;
-    s.grad_bytes += u.grad_bytes;
-    s.all_gather_seconds += u.all_gather_seconds;
-    s.reduce_scatter_seconds += u.reduce_scatter_seconds;
-    s.all_reduce_seconds += u.all_reduce_seconds;
-    s.units.push_back(u);
-  }
-  s.peak_unsharded_bytes = core_->peak_unsharded_bytes;
-  s.peak_unsharded_grad_bytes = core_->peak_unsharded_grad_bytes;
-  s.comm_buffer_bytes = core_->buffers.bytes();
-  s.peak_comm_buffer_bytes = core_->buffers.peak_bytes();
-  s.peak_transient_bytes = core_->peak_transient_bytes;
-  s.peak_transient_param_bytes = core_->peak_transient_param_bytes;
-  s.peak_transient_grad_bytes = core_->peak_transient_grad_bytes;
-  s.peak_transient_comm_bytes = core_->peak_transient_comm_bytes;
-  return s;
-}
+EngineStats Engine::Stats() const { return core_->Stats(); }
 
-void Engine::ResetStats() {
-  for (auto& unit : core_->units) {
-    if (unit != nullptr) unit->ResetStats();
-  }
-  core_->peak_unsharded_bytes = core_->unsharded_bytes_alive;
-  core_->peak_unsharded_grad_bytes = 0;
-  core_->buffers.ResetPeak();
-  core_->peak_transient_bytes = 0;
-}
+void Engine::ResetStats() { core_->ResetStats(); }
 
 std::vector<at::Tensor> Engine::Parameters() const {
   std::vector<at::Tensor> out;

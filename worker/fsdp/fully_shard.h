@@ -67,6 +67,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/memory_model.h"
 #include "worker/comm/communicator.h"
 
 namespace torch::nn {
@@ -155,6 +156,8 @@ struct UnitStats {
   int64_t peak_unsharded_bytes = 0;
   int64_t all_gathers = 0;
   int64_t reduce_scatters = 0;
+  // HSDP all-reduces across the replicate group (none with one replica).
+  int64_t all_reduces = 0;
   double all_gather_seconds = 0;
   double reduce_scatter_seconds = 0;
   double all_reduce_seconds = 0;
@@ -185,6 +188,22 @@ struct EngineStats {
   double all_gather_seconds = 0;
   double reduce_scatter_seconds = 0;
   double all_reduce_seconds = 0;
+  // Sums of the units' collective counts.
+  int64_t all_gathers = 0;
+  int64_t reduce_scatters = 0;
+  int64_t all_reduces = 0;
+  // What one microbatch's forward left allocated besides the engine's own
+  // bytes (the activations autograd saved, the outputs), largest over the
+  // microbatches: the memory meter's growth over the root's forward minus the
+  // engine's (memory_meter.h). 0 where no meter measures.
+  int64_t activation_bytes = 0;
+  // The meter's peak since ResetStats (memory_meter.h); -1 where none.
+  int64_t measured_peak_bytes = -1;
+  // The engine's accounting in the memory model's categories: the shards, the
+  // sharded grads now, optimizer state by the model's AdamW rule (the
+  // optimizer is not the engine's), the transient peak's parts and the
+  // activations above.
+  MemoryBreakdown peak_memory;
 };
 
 using TensorFn = std::function<at::Tensor(const at::Tensor&)>;

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "worker/fsdp/collectives.h"
 #include "worker/fsdp/hooks.h"
+#include "worker/fsdp/memory_meter.h"
 
 namespace hsdp::fsdp {
 
@@ -71,7 +72,7 @@ void EngineCore::AddUnshardedBytes(int64_t delta) {
   peak_unsharded_bytes = std::max(peak_unsharded_bytes, unsharded_bytes_alive);
 }
 
-int64_t EngineCore::SampleUnshardedGradBytes() {
+int64_t EngineCore::UnshardedGradBytes() const {
   int64_t bytes = 0;
   for (const auto& unit : units) {
     if (unit == nullptr) continue;
@@ -81,7 +82,11 @@ int64_t EngineCore::SampleUnshardedGradBytes() {
         bytes += static_cast<int64_t>(g.numel() * g.element_size());
     }
   }
-  bytes += in_flight_grad_bytes;
+  return bytes + in_flight_grad_bytes;
+}
+
+int64_t EngineCore::SampleUnshardedGradBytes() {
+  const int64_t bytes = UnshardedGradBytes();
   peak_unsharded_grad_bytes = std::max(peak_unsharded_grad_bytes, bytes);
   return bytes;
 }
@@ -94,6 +99,79 @@ void EngineCore::SampleTransientBytes() {
   peak_transient_param_bytes = unsharded_bytes_alive;
   peak_transient_grad_bytes = grads;
   peak_transient_comm_bytes = buffers.bytes();
+}
+
+int64_t EngineCore::OwnedTransientBytes() const {
+  return unsharded_bytes_alive + UnshardedGradBytes() + buffers.bytes();
+}
+
+void EngineCore::BeginForwardMeasure() {
+  forward_start_meter = MeterCurrentBytes(options.device);
+  if (forward_start_meter) forward_start_owned = OwnedTransientBytes();
+}
+
+void EngineCore::EndForwardMeasure() {
+  if (!forward_start_meter) return;
+  const std::optional<int64_t> now = MeterCurrentBytes(options.device);
+  if (!now) return;
+  const int64_t grown = (*now - *forward_start_meter) -
+                        (OwnedTransientBytes() - forward_start_owned);
+  activation_bytes = std::max(activation_bytes, grown);
+  forward_start_meter.reset();
+}
+
+EngineStats EngineCore::Stats() const {
+  EngineStats s;
+  int64_t sharded_grads = 0;
+  for (const auto& unit : units) {
+    if (unit == nullptr) continue;
+    UnitStats u = unit->Stats();
+    s.sharded_bytes += u.sharded_bytes;
+    s.unsharded_bytes_alive += u.unsharded_bytes_alive;
+    s.grad_bytes += u.grad_bytes;
+    s.all_gather_seconds += u.all_gather_seconds;
+    s.reduce_scatter_seconds += u.reduce_scatter_seconds;
+    s.all_reduce_seconds += u.all_reduce_seconds;
+    s.all_gathers += u.all_gathers;
+    s.reduce_scatters += u.reduce_scatters;
+    s.all_reduces += u.all_reduces;
+    s.units.push_back(u);
+    for (const ShardedParam* p : unit->params()) {
+      const at::Tensor g = p->sharded().grad();
+      if (g.defined()) sharded_grads += static_cast<int64_t>(g.nbytes());
+    }
+  }
+  s.peak_unsharded_bytes = peak_unsharded_bytes;
+  s.peak_unsharded_grad_bytes = peak_unsharded_grad_bytes;
+  s.comm_buffer_bytes = buffers.bytes();
+  s.peak_comm_buffer_bytes = buffers.peak_bytes();
+  s.peak_transient_bytes = peak_transient_bytes;
+  s.peak_transient_param_bytes = peak_transient_param_bytes;
+  s.peak_transient_grad_bytes = peak_transient_grad_bytes;
+  s.peak_transient_comm_bytes = peak_transient_comm_bytes;
+  s.activation_bytes = activation_bytes;
+  s.measured_peak_bytes = MeterPeakBytes(options.device).value_or(-1);
+  MemoryBreakdown& m = s.peak_memory;
+  m.shards = s.sharded_bytes;
+  m.optimizer_state = s.sharded_bytes * kAdamWStateCopies;
+  m.sharded_grads = sharded_grads;
+  m.unsharded_params = peak_transient_param_bytes;
+  m.unsharded_grads = peak_transient_grad_bytes;
+  m.comm_buffers = peak_transient_comm_bytes;
+  m.activations = activation_bytes;
+  return s;
+}
+
+void EngineCore::ResetStats() {
+  for (auto& unit : units) {
+    if (unit != nullptr) unit->ResetStats();
+  }
+  peak_unsharded_bytes = unsharded_bytes_alive;
+  peak_unsharded_grad_bytes = 0;
+  buffers.ResetPeak();
+  peak_transient_bytes = 0;
+  activation_bytes = 0;
+  ResetMeterPeak(options.device);
 }
 
 void EngineCore::FinishPendingReductions() {
@@ -298,6 +376,7 @@ void UnitGroup::Reshard() {
 
 void UnitGroup::PreForward() {
   core_->CheckOk();
+  if (index_ == 0 && core_->recompute_depth == 0) core_->BeginForwardMeasure();
   Unshard();
   // No forward prefetch while recomputing inside backward: the next units'
   // gathers would be wasted (backward runs in the other direction).
@@ -309,6 +388,7 @@ void UnitGroup::PreForward() {
 }
 
 void UnitGroup::PostForward() {
+  if (index_ == 0 && core_->recompute_depth == 0) core_->EndForwardMeasure();
   if (reshard_after_forward && core_->recompute_depth == 0) Reshard();
 }
 
@@ -536,6 +616,7 @@ void UnitGroup::FinishReduction() {
     }
     absl::StatusOr<comm::Buffer> buffer = ToBuffer(reduced);
     if (!buffer.ok()) core_->Fail(buffer.status());
+    ++stats_.all_reduces;
     std::unique_ptr<comm::Work> work =
         core_->mesh.replicate->AllReduce(*buffer, comm::ReduceOp::kAvg);
     absl::Status s = WaitWork(work, &stats_.all_reduce_seconds, "all-reduce");

@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -100,8 +101,9 @@ class EngineCore {
   void CheckOk() const;
 
   void AddUnshardedBytes(int64_t delta);
-  // Samples the unsharded gradient bytes of every unit into the peak; returns
-  // them.
+  // The unsharded gradient bytes of every unit, in-flight ones included.
+  int64_t UnshardedGradBytes() const;
+  // Samples UnshardedGradBytes() into the peak; returns them.
   int64_t SampleUnshardedGradBytes();
   // Samples unsharded params + unsharded grads + comm buffers alive now into
   // the simultaneous transient peak (see EngineStats::peak_transient_bytes).
@@ -114,6 +116,16 @@ class EngineCore {
   // reductions, resets the per-backward flags.
   void EndOfBackward();
   void ResetPassFlags();
+
+  // Engine::Stats() and ResetStats(): the units' stats summed, the peaks, the
+  // memory meter's readings (memory_meter.h) and the accounting in the memory
+  // model's categories.
+  EngineStats Stats() const;
+  void ResetStats();
+  // Around the root's forward (not inside recompute): the meter's growth minus
+  // the engine's own is the microbatch's activations.
+  void BeginForwardMeasure();
+  void EndForwardMeasure();
 
   std::shared_ptr<torch::nn::Module> root;
   MeshComms mesh;
@@ -145,6 +157,14 @@ class EngineCore {
   // Unsharded gradients no longer on their parameters but still read by a
   // reduce-scatter in flight (segments path): counted with the grads.
   int64_t in_flight_grad_bytes = 0;
+  // The meter and the engine's own bytes when the current forward began.
+  std::optional<int64_t> forward_start_meter;
+  int64_t forward_start_owned = 0;
+  int64_t activation_bytes = 0;
+
+ private:
+  // Unsharded params, unsharded grads (in flight too) and comm buffers now.
+  int64_t OwnedTransientBytes() const;
 };
 
 // The engine's internal state, for the engine's own helpers (state dicts,

@@ -21,6 +21,7 @@ struct StepLine {
   double tokens_per_second = 0;
   double learning_rate = 0;
   int64_t peak_memory_bytes = 0;
+  int64_t activation_bytes = 0;
   int64_t policy_version = 0;
   // One character per unit: '1' reshards after forward.
   std::string reshard_after_forward;

@@ -27,6 +27,7 @@
 #include "worker/agent/agent.h"
 #include "worker/agent/coordinator_store.h"
 #include "worker/fsdp/fully_shard.h"
+#include "worker/fsdp/memory_meter.h"
 #include "worker/train/optimizer.h"
 #include "worker/train/rank_checkpoint.h"
 #include "worker/train/report_file.h"
@@ -118,27 +119,6 @@ std::unique_ptr<torch::optim::Optimizer> MakeOptimizer(
   return opt;
 }
 
-// Bytes of the optimizer's per-parameter state tensors (AdamW moments, SGD
-// momentum); 0 for optimizers it does not know.
-int64_t OptimizerStateBytes(torch::optim::Optimizer& opt) {
-  auto bytes = [](const at::Tensor& t) {
-    return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size())
-                       : int64_t{0};
-  };
-  int64_t total = 0;
-  for (const auto& [key, state] : opt.state()) {
-    if (auto* adamw =
-            dynamic_cast<torch::optim::AdamWParamState*>(state.get())) {
-      total += bytes(adamw->exp_avg()) + bytes(adamw->exp_avg_sq()) +
-               bytes(adamw->max_exp_avg_sq());
-    } else if (auto* sgd =
-                   dynamic_cast<torch::optim::SGDParamState*>(state.get())) {
-      total += bytes(sgd->momentum_buffer());
-    }
-  }
-  return total;
-}
-
 // Loss() of one microbatch, checked: a scalar that requires grad.
 absl::StatusOr<at::Tensor> MicrobatchLoss(Task& task, const Batch& batch) {
   HSDP_ASSIGN_OR_RETURN(at::Tensor loss, task.Loss(batch));
@@ -224,6 +204,7 @@ absl::StatusOr<int64_t> ResumeStep(const std::string& dir,
 absl::Status TrainSharded(std::unique_ptr<Task> task, const WorkerOptions& o) {
   const TrainingOptions& t = o.training;
   HSDP_RETURN_IF_ERROR(ValidateTrainingOptions(t));
+  fsdp::InstallCountingCpuAllocator();  // before any tensor of the model
   SetThreads(o.process.threads);
   const c10::Device device(o.device);
   if (device.is_cuda() && !torch::cuda::is_available()) {
@@ -367,11 +348,8 @@ absl::Status TrainSharded(std::unique_ptr<Task> task, const WorkerOptions& o) {
       saved = true;
     }
 
-    // Parameter-state memory of this rank at its peak in the step: shards,
-    // optimizer state, gradients, and the largest set of unsharded parameters
-    // alive at once.
-    const int64_t peak_bytes = stats.sharded_bytes + OptimizerStateBytes(*opt) +
-                               stats.grad_bytes + stats.peak_unsharded_bytes;
+    // Measured where the device allows (fsdp/memory_meter.h).
+    const int64_t peak_bytes = fsdp::MeasuredPeakBytes(stats);
     const double tokens = static_cast<double>(micro * t.microbatch_size *
                                               task->TokensPerSample());
     hsdp::v1::StepReport report;
@@ -381,6 +359,7 @@ absl::Status TrainSharded(std::unique_ptr<Task> task, const WorkerOptions& o) {
     report.set_step_seconds(step_seconds);
     report.set_tokens_per_second(tokens / step_seconds);
     report.set_peak_memory_bytes(peak_bytes);
+    report.set_activation_bytes(stats.activation_bytes);
     report.set_checkpoint_saved(saved);
     for (size_t u = 0; u < stats.units.size(); ++u) {
       hsdp::v1::UnitCommTime* c = report.add_unit_comm();
@@ -402,6 +381,7 @@ absl::Status TrainSharded(std::unique_ptr<Task> task, const WorkerOptions& o) {
     line.learning_rate =
         t.lr_schedule.LearningRate(t.optimizer.lr, step, t.steps);
     line.peak_memory_bytes = peak_bytes;
+    line.activation_bytes = stats.activation_bytes;
     line.policy_version = schedule.policy_version();
     for (const auto& u : schedule.units())
       line.reshard_after_forward += u.reshard_after_forward() ? '1' : '0';

@@ -165,9 +165,9 @@ TEST(MemoryTest, ReshardAfterForwardFreesProcessMemory) {
       auto [tokens, targets] = Batch(c.dims, 0, ctx.rank * 2, 2);
       // Warm up first: one-time buffers (BLAS workspaces, pools) must not
       // count below.
-      ASSERT_TRUE(engine->Apply(MakeSchedule(engine->num_units(), c), 0).ok());
+      ASSERT_TRUE(engine->Apply(PlanSchedule(*engine, c), 0).ok());
       EngineForward(*engine, model, tokens, false).sum().backward();
-      ASSERT_TRUE(engine->Apply(MakeSchedule(engine->num_units(), c), 0).ok());
+      ASSERT_TRUE(engine->Apply(PlanSchedule(*engine, c), 0).ok());
       barrier();
       const int64_t before = ResidentBytes();
       at::Tensor logits = EngineForward(*engine, model, tokens, false);

@@ -121,8 +121,7 @@ GptRun TrainGpt(const models::GptConfig& model_config, MeshComms comms,
   });
   torch::optim::AdamW optimizer(engine->Parameters(),
                                 torch::optim::AdamWOptions(config.lr));
-  const hsdp::v1::StepSchedule schedule =
-      MakeSchedule(engine->num_units(), config);
+  const hsdp::v1::StepSchedule schedule = PlanSchedule(*engine, config);
   const int local = kGlobalBatch / dp_size;
   const int per_mb = local / config.microbatches;
   for (int step = 0; step < config.steps; ++step) {

@@ -168,9 +168,11 @@ TEST(GradAccumulationTest, HsdpAllReduceOnlyOnLastMicrobatch) {
   const RunResult reference = TrainReference(init, config);
   std::vector<RunResult> results = TrainOnMesh({2, 2}, init, config);
   ExpectMatchesReference(results, reference, kParityTolerance);
-  // And one all-reduce per unit per step, not per microbatch.
+  // A reduce-scatter per unit per microbatch, but one all-reduce per unit per
+  // step, not per microbatch.
   for (const UnitStats& u : results[0].stats.units) {
     EXPECT_EQ(u.reduce_scatters, config.steps * config.microbatches);
+    EXPECT_EQ(u.all_reduces, config.steps);
   }
 }
 
@@ -465,8 +467,7 @@ TEST(GptIntegrationTest, BlockRunnerUsageMatchesPlainTraining) {
     torch::optim::AdamW opt(engine->Parameters());
     RunConfig policy;
     policy.prefetch = 1;
-    const hsdp::v1::StepSchedule schedule =
-        MakeSchedule(engine->num_units(), policy);
+    const hsdp::v1::StepSchedule schedule = PlanSchedule(*engine, policy);
     const int local = kGlobalBatch / shape.world_size();
     for (int step = 0; step < kSteps; ++step) {
       ASSERT_TRUE(engine->Apply(schedule, 0).ok());

@@ -8,7 +8,9 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "coordinator/planner.h"
 #include "worker/comm/in_memory_store.h"
+#include "worker/fsdp/planner_units.h"
 
 namespace hsdp::fsdp::testing {
 
@@ -99,29 +101,46 @@ TinyTransformer MakeModel(const ModelDims& dims, const StateDict& init) {
   return model;
 }
 
+hsdp::v1::Policy PolicyFor(const RunConfig& config) {
+  hsdp::v1::Policy policy;
+  policy.set_reshard_after_forward(config.reshard_after_forward);
+  policy.set_reshard_after_backward(config.reshard_after_backward);
+  policy.set_forward_prefetch_depth(config.prefetch);
+  policy.set_backward_prefetch_depth(config.prefetch);
+  policy.set_microbatches(config.microbatches);
+  policy.set_grad_sync(config.sync_every_microbatch
+                           ? hsdp::v1::GRAD_SYNC_MODE_EVERY_MICROBATCH
+                           : hsdp::v1::GRAD_SYNC_MODE_LAST_MICROBATCH);
+  policy.set_all_reduce(config.all_reduce_every_microbatch
+                            ? hsdp::v1::ALL_REDUCE_MODE_EVERY_MICROBATCH
+                            : hsdp::v1::ALL_REDUCE_MODE_LAST_MICROBATCH);
+  return policy;
+}
+
+namespace {
+
+// A RunConfig has no memory budget: manual mode, whose schedule does not
+// depend on the mesh the planner's memory model is told about.
+hsdp::v1::StepSchedule Plan(UnitList units, const RunConfig& config) {
+  coordinator::Planner planner(std::move(units), /*shard_size=*/1);
+  return planner.Plan(PolicyFor(config), coordinator::PlanInput());
+}
+
+}  // namespace
+
+hsdp::v1::StepSchedule PlanSchedule(const Engine& engine,
+                                    const RunConfig& config) {
+  return Plan(PlannerUnits(engine), config);
+}
+
 hsdp::v1::StepSchedule MakeSchedule(int num_units, const RunConfig& config) {
-  hsdp::v1::StepSchedule schedule;
+  UnitList units;
   for (int i = 0; i < num_units; ++i) {
-    hsdp::v1::UnitSchedule* u = schedule.add_units();
-    u->set_unit_index(i);
-    u->set_unit_name(i == 0 ? "root" : absl::StrCat("layers.", i - 1));
-    u->set_reshard_after_forward(config.reshard_after_forward);
-    u->set_reshard_after_backward(config.reshard_after_backward);
-    for (int k = 1; k <= config.prefetch; ++k) {
-      if (i + k < num_units) u->add_forward_prefetch(i + k);
-      // Backward runs root's head first, then the blocks in reverse.
-      const int back = i == 0 ? num_units - k : i - k;
-      if (back >= 1 && back < num_units) u->add_backward_prefetch(back);
-    }
+    hsdp::v1::UnitInfo unit;
+    unit.set_name(i == 0 ? "root" : absl::StrCat("layers.", i - 1));
+    units.push_back(unit);
   }
-  for (int k = 0; k < config.microbatches; ++k) {
-    const bool last = k == config.microbatches - 1;
-    hsdp::v1::MicrobatchSchedule* mb = schedule.add_microbatches();
-    mb->set_requires_grad_sync(last || config.sync_every_microbatch);
-    mb->set_requires_all_reduce(last || config.all_reduce_every_microbatch);
-    mb->set_is_last_backward(last);
-  }
-  return schedule;
+  return Plan(std::move(units), config);
 }
 
 EngineOptions EngineOptionsFor(const RunConfig& config) {
@@ -149,20 +168,46 @@ std::unique_ptr<Engine> MakeEngine(TinyTransformer& model, MeshComms comms,
 }
 
 at::Tensor EngineForward(Engine& engine, TinyTransformer& model,
-                         const at::Tensor& tokens, bool checkpoint) {
+                         const at::Tensor& tokens, bool checkpoint,
+                         CollectiveLog* log) {
+  // Compute events of `unit` around `fn` (no-ops without a log): forward
+  // begin/end now, backward begin/end when autograd gets there.
+  auto marked = [log](int unit, const at::Tensor& x, auto&& fn) {
+    if (log == nullptr) return fn(x);
+    log->RecordCompute(EventKind::kComputeBegin, unit, Phase::kForward);
+    at::Tensor y =
+        OnBackward(log, EventKind::kComputeBegin, unit,
+                   fn(OnBackward(log, EventKind::kComputeEnd, unit, x)));
+    log->RecordCompute(EventKind::kComputeEnd, unit, Phase::kForward);
+    return y;
+  };
   return engine.Root().Forward(tokens, [&](const at::Tensor& t) {
+    if (log != nullptr) {
+      log->RecordCompute(EventKind::kComputeBegin, 0, Phase::kForward);
+    }
+    // The root's backward ends in its embedding.
     at::Tensor h = model->Embed(t);
+    if (log != nullptr) h = OnBackward(log, EventKind::kComputeEnd, 0, h);
     for (size_t i = 0; i < model->blocks.size(); ++i) {
-      UnitHandle& unit = engine.Unit(static_cast<int>(i) + 1);
+      const int index = static_cast<int>(i) + 1;
+      UnitHandle& unit = engine.Unit(index);
       Block block = model->blocks[i];
-      TensorFn run = [&unit, block](const at::Tensor& x) {
-        return unit.Forward(x, [block](const at::Tensor& y) mutable {
-          return block->forward(y);
+      TensorFn run = [&unit, block, marked, index](const at::Tensor& x) {
+        return unit.Forward(x, [block, marked, index](const at::Tensor& y) {
+          return marked(index, y, [block](const at::Tensor& z) mutable {
+            return block->forward(z);
+          });
         });
       };
       h = checkpoint ? Recompute(engine, run, h) : run(h);
     }
-    return model->Head(h);
+    at::Tensor logits = model->Head(h);
+    if (log != nullptr) {
+      // The root's backward begins in its head.
+      logits = OnBackward(log, EventKind::kComputeBegin, 0, logits);
+      log->RecordCompute(EventKind::kComputeEnd, 0, Phase::kForward);
+    }
+    return logits;
   });
 }
 
@@ -182,15 +227,11 @@ std::pair<at::Tensor, at::Tensor> Batch(const ModelDims& dims, int step,
   return {tokens, targets};
 }
 
-namespace {
-
 at::Tensor Loss(const at::Tensor& logits, const at::Tensor& targets) {
   return torch::nn::functional::cross_entropy(
       logits.reshape({-1, logits.size(-1)}).to(torch::kFloat),
       targets.reshape({-1}));
 }
-
-}  // namespace
 
 RunResult TrainSharded(MeshComms comms, int dp_rank, int dp_size,
                        const StateDict& init, const RunConfig& config) {
@@ -199,8 +240,7 @@ RunResult TrainSharded(MeshComms comms, int dp_rank, int dp_size,
   std::unique_ptr<Engine> engine = MakeEngine(model, comms, config);
   torch::optim::AdamW optimizer(engine->Parameters(),
                                 torch::optim::AdamWOptions(config.lr));
-  const hsdp::v1::StepSchedule schedule =
-      MakeSchedule(engine->num_units(), config);
+  const hsdp::v1::StepSchedule schedule = PlanSchedule(*engine, config);
   const int local = config.global_batch / dp_size;
   const int per_mb = local / config.microbatches;
   for (int step = 0; step < config.steps; ++step) {
@@ -276,48 +316,6 @@ void RunOnMesh(comm::MeshShape shape,
     });
   }
   for (std::thread& t : threads) t.join();
-}
-
-std::unique_ptr<comm::Work> FlatOnlyCommunicator::AllGather(
-    const comm::Buffer& input, const comm::Buffer& output) {
-  ++all_gathers_;
-  return inner_->AllGather(input, output);
-}
-
-std::unique_ptr<comm::Work> FlatOnlyCommunicator::ReduceScatter(
-    const comm::Buffer& input, const comm::Buffer& output, comm::ReduceOp op) {
-  ++reduce_scatters_;
-  return inner_->ReduceScatter(input, output, op);
-}
-
-std::unique_ptr<comm::Work> FlatOnlyCommunicator::AllReduce(
-    const comm::Buffer& buffer, comm::ReduceOp op) {
-  ++all_reduces_;
-  return inner_->AllReduce(buffer, op);
-}
-
-std::unique_ptr<comm::Work> FlatOnlyCommunicator::AllGatherSegments(
-    const std::vector<comm::Buffer>& inputs,
-    const std::vector<std::vector<comm::Buffer>>& outputs) {
-  ++segment_calls_;
-  return inner_->AllGatherSegments(inputs, outputs);
-}
-
-std::unique_ptr<comm::Work> FlatOnlyCommunicator::ReduceScatterSegments(
-    const std::vector<std::vector<comm::Buffer>>& inputs,
-    const std::vector<comm::Buffer>& outputs, const comm::Buffer& scratch,
-    comm::ReduceOp op) {
-  ++segment_calls_;
-  return inner_->ReduceScatterSegments(inputs, outputs, scratch, op);
-}
-
-std::unique_ptr<comm::Work> FlatOnlyCommunicator::Broadcast(
-    const comm::Buffer& buffer, int root) {
-  return inner_->Broadcast(buffer, root);
-}
-
-std::unique_ptr<comm::Work> FlatOnlyCommunicator::Barrier() {
-  return inner_->Barrier();
 }
 
 double MaxAbsDiff(const StateDict& a, const StateDict& b) {

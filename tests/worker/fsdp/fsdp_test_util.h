@@ -17,7 +17,9 @@
 #include <vector>
 
 #include "absl/time/time.h"
+#include "hsdp/v1/policy.pb.h"
 #include "hsdp/v1/schedule.pb.h"
+#include "tests/worker/fsdp/recording_communicator.h"
 #include "worker/comm/communicator.h"
 #include "worker/comm/device_mesh.h"
 #include "worker/fsdp/fully_shard.h"
@@ -100,6 +102,16 @@ struct RunResult {
   EngineStats stats;
 };
 
+// The policy a RunConfig describes: both reshard flags, prefetch depth
+// `prefetch` both ways, microbatches and their sync / all-reduce modes.
+hsdp::v1::Policy PolicyFor(const RunConfig& config);
+// The production planner's schedule (coordinator/planner.h) of that policy for
+// `engine`'s units.
+hsdp::v1::StepSchedule PlanSchedule(const Engine& engine,
+                                    const RunConfig& config);
+// The same for a model of `num_units` units named as the test model's ("root",
+// "layers.0", ...) when no engine is at hand. Tests that need a schedule the
+// planner never makes edit one of these.
 hsdp::v1::StepSchedule MakeSchedule(int num_units, const RunConfig& config);
 
 // The engine options a RunConfig asks for (mixed precision, offload, the
@@ -108,13 +120,19 @@ EngineOptions EngineOptionsFor(const RunConfig& config);
 // Builds the engine over `model` (one unit per block + root).
 std::unique_ptr<Engine> MakeEngine(TinyTransformer& model, MeshComms comms,
                                    const RunConfig& config);
-// Sharded forward through the engine; logits.
+// Sharded forward through the engine; logits. With a log, every unit's
+// compute is marked in it (forward and backward begin/end; see
+// recording_communicator.h).
 at::Tensor EngineForward(Engine& engine, TinyTransformer& model,
-                         const at::Tensor& tokens, bool checkpoint);
+                         const at::Tensor& tokens, bool checkpoint,
+                         CollectiveLog* log = nullptr);
 
 // The tokens/targets of global step `step`, samples [begin, begin + count).
 std::pair<at::Tensor, at::Tensor> Batch(const ModelDims& dims, int step,
                                         int begin, int count);
+
+// Cross-entropy of logits [B, T, vocab] (in fp32) against targets [B, T].
+at::Tensor Loss(const at::Tensor& logits, const at::Tensor& targets);
 
 // One rank of a sharded run; `dp_rank`/`dp_size` pick its slice of each global
 // batch.
@@ -122,51 +140,6 @@ RunResult TrainSharded(MeshComms comms, int dp_rank, int dp_size,
                        const StateDict& init, const RunConfig& config);
 // Single-process unsharded training on the global batch.
 RunResult TrainReference(const StateDict& init, const RunConfig& config);
-
-// Forwards every call to `inner` but reports SupportsSegments() == false, so
-// the engine takes its flat path (copy-in, AllGather / ReduceScatter,
-// copy-out; the NCCL path) over a Gloo communicator. Counts the collectives it
-// forwards so a test can check which path ran. Does not own `inner`.
-class FlatOnlyCommunicator : public comm::Communicator {
- public:
-  explicit FlatOnlyCommunicator(comm::Communicator* inner) : inner_(inner) {}
-
-  int rank() const override { return inner_->rank(); }
-  int size() const override { return inner_->size(); }
-  std::string name() const override { return inner_->name(); }
-
-  std::unique_ptr<comm::Work> AllGather(const comm::Buffer& input,
-                                        const comm::Buffer& output) override;
-  std::unique_ptr<comm::Work> ReduceScatter(const comm::Buffer& input,
-                                            const comm::Buffer& output,
-                                            comm::ReduceOp op) override;
-  std::unique_ptr<comm::Work> AllReduce(const comm::Buffer& buffer,
-                                        comm::ReduceOp op) override;
-  bool SupportsSegments() const override { return false; }
-  // Forwarded too (the engine must not call them: counted in segment_calls).
-  std::unique_ptr<comm::Work> AllGatherSegments(
-      const std::vector<comm::Buffer>& inputs,
-      const std::vector<std::vector<comm::Buffer>>& outputs) override;
-  std::unique_ptr<comm::Work> ReduceScatterSegments(
-      const std::vector<std::vector<comm::Buffer>>& inputs,
-      const std::vector<comm::Buffer>& outputs, const comm::Buffer& scratch,
-      comm::ReduceOp op) override;
-  std::unique_ptr<comm::Work> Broadcast(const comm::Buffer& buffer,
-                                        int root) override;
-  std::unique_ptr<comm::Work> Barrier() override;
-
-  int64_t all_gathers() const { return all_gathers_; }
-  int64_t reduce_scatters() const { return reduce_scatters_; }
-  int64_t all_reduces() const { return all_reduces_; }
-  int64_t segment_calls() const { return segment_calls_; }
-
- private:
-  comm::Communicator* const inner_;
-  std::atomic<int64_t> all_gathers_{0};
-  std::atomic<int64_t> reduce_scatters_{0};
-  std::atomic<int64_t> all_reduces_{0};
-  std::atomic<int64_t> segment_calls_{0};
-};
 
 struct RankContext {
   int rank = 0;

@@ -1,0 +1,157 @@
+#include "common/memory_model.h"
+
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+namespace hsdp {
+namespace {
+
+// Root 400 bytes and three blocks of 100: sharded over S = 2 that is 200 + 3 *
+// 50 = 350 bytes of shards, 700 of AdamW state, 350 of sharded gradients.
+UnitList Units() {
+  UnitList units;
+  for (int64_t bytes : {400, 100, 100, 100}) {
+    hsdp::v1::UnitInfo u;
+    u.set_name(units.empty() ? "root"
+                             : "layers." + std::to_string(units.size() - 1));
+    u.set_param_bytes(bytes);
+    units.push_back(u);
+  }
+  return units;
+}
+
+MemoryModel::Options Mesh(int shard, int replicate = 1,
+                          CommPath path = CommPath::kSegments) {
+  MemoryModel::Options o;
+  o.shard_size = shard;
+  o.replicate_size = replicate;
+  o.comm_path = path;
+  return o;
+}
+
+// The planner's default schedule for Units(), written out: the root kept,
+// blocks resharded, depth-1 prefetch in execution order (forward root, 1, 2,
+// 3; backward root, 3, 2, 1).
+hsdp::v1::StepSchedule DefaultSchedule(int microbatches = 1,
+                                       bool sync_every = true) {
+  hsdp::v1::StepSchedule s;
+  const std::vector<std::vector<int>> fwd = {{1}, {2}, {3}, {}};
+  const std::vector<std::vector<int>> bwd = {{3}, {}, {1}, {2}};
+  for (int i = 0; i < 4; ++i) {
+    auto* u = s.add_units();
+    u->set_unit_index(i);
+    u->set_reshard_after_forward(i != 0);
+    u->set_reshard_after_backward(i != 0);
+    for (int j : fwd[i]) u->add_forward_prefetch(j);
+    for (int j : bwd[i]) u->add_backward_prefetch(j);
+  }
+  for (int k = 0; k < microbatches; ++k) {
+    const bool last = k == microbatches - 1;
+    auto* mb = s.add_microbatches();
+    mb->set_requires_grad_sync(last || sync_every);
+    mb->set_requires_all_reduce(last || sync_every);
+    mb->set_is_last_backward(last);
+  }
+  return s;
+}
+
+TEST(MemoryModelTest, SteadyIsShardsOptimizerAndShardedGrads) {
+  const MemoryBreakdown steady = MemoryModel(Units(), Mesh(2)).Steady();
+  EXPECT_EQ(steady.shards, 350);
+  EXPECT_EQ(steady.optimizer_state, 700);
+  EXPECT_EQ(steady.sharded_grads, 350);
+  EXPECT_EQ(steady.Total(), 1400);
+}
+
+// The peak is at layers.1's pre-backward: the root (unsharded all step),
+// layers.1 and its prefetched layers.0 unsharded (600); the gradients of the
+// root (alive through backward), layers.2 (its reduce-scatter in flight,
+// sending from the gradient) and layers.1 (600); the reduce-scatter's scratch
+// for the peer's half of layers.2 (50).
+TEST(MemoryModelTest, DefaultScheduleHandComputed) {
+  const MemoryModel model(Units(), Mesh(2));
+  MemoryBreakdown peak = model.PredictPeak(DefaultSchedule(), 0);
+  EXPECT_EQ(peak.unsharded_params, 600);
+  EXPECT_EQ(peak.unsharded_grads, 600);
+  EXPECT_EQ(peak.comm_buffers, 50);
+  EXPECT_EQ(peak.activations, 0);
+  EXPECT_EQ(peak.Total(), 2650);
+  // 300 bytes of activations, 75 per unit: layers.2's are gone by then.
+  peak = model.PredictPeak(DefaultSchedule(), 300);
+  EXPECT_EQ(peak.activations, 225);
+  EXPECT_EQ(peak.Total(), 2875);
+}
+
+TEST(MemoryModelTest, KeepingUnitsRaisesThePeakAtTheBoundary) {
+  const MemoryModel model(Units(), Mesh(2));
+  hsdp::v1::StepSchedule keep = DefaultSchedule();
+  for (auto& u : *keep.mutable_units()) {
+    u.set_reshard_after_forward(false);
+    u.clear_backward_prefetch();
+  }
+  // Every unit unsharded when forward ends, plus the root's and layers.2's
+  // gradients at layers.2's pre-backward: 700 + 500 + 1400, and activations.
+  const MemoryBreakdown peak = model.PredictPeak(keep, 300);
+  EXPECT_EQ(peak.unsharded_params, 700);
+  EXPECT_EQ(peak.unsharded_grads, 500);
+  EXPECT_EQ(peak.activations, 300);
+  EXPECT_EQ(peak.Total(), 2900);
+  EXPECT_GT(peak.Total(), model.PredictPeak(DefaultSchedule(), 300).Total());
+}
+
+// Without sync every unit's unsharded gradient survives into the next
+// microbatch: the second backward holds all of them (700).
+TEST(MemoryModelTest, NoSyncMicrobatchesAccumulateUnshardedGradients) {
+  const MemoryModel model(Units(), Mesh(2));
+  const MemoryBreakdown peak =
+      model.PredictPeak(DefaultSchedule(2, /*sync_every=*/false), 0);
+  EXPECT_EQ(peak.unsharded_grads, 700);
+  EXPECT_EQ(peak.Total(), 2750);
+  // Syncing every microbatch keeps it at the one-microbatch peak.
+  EXPECT_EQ(model.PredictPeak(DefaultSchedule(2, true), 0).Total(), 2650);
+}
+
+TEST(MemoryModelTest, TransportsAndMeshes) {
+  // HSDP: the reduce-scatter also needs the reduced chunk to all-reduce.
+  EXPECT_EQ(MemoryModel(Units(), Mesh(2, 2))
+                .PredictPeak(DefaultSchedule(), 0)
+                .comm_buffers,
+            100);
+  // Flat path (NCCL): the gradients go into the staging buffer at once, and
+  // one largest unit's buffer stays for reuse.
+  const MemoryBreakdown flat = MemoryModel(Units(), Mesh(2, 1, CommPath::kFlat))
+                                   .PredictPeak(DefaultSchedule(), 0);
+  EXPECT_EQ(flat.comm_buffers, 400);
+  EXPECT_EQ(flat.unsharded_grads, 500);
+  EXPECT_EQ(flat.Total(), 2900);
+  // One shard: the parameters are their shards, nothing to move.
+  const MemoryBreakdown single =
+      MemoryModel(Units(), Mesh(1)).PredictPeak(DefaultSchedule(), 0);
+  EXPECT_EQ(single.unsharded_params, 0);
+  EXPECT_EQ(single.comm_buffers, 0);
+  EXPECT_EQ(single.shards, 700);
+}
+
+TEST(MemoryModelTest, EmptyScheduleMeansEngineDefaults) {
+  const MemoryModel model(Units(), Mesh(2));
+  // No prefetch, everything resharded (the root too): less than the default
+  // plan's peak, more than the steady state.
+  const int64_t peak = model.PredictPeak(hsdp::v1::StepSchedule(), 0).Total();
+  EXPECT_GT(peak, model.Steady().Total());
+  EXPECT_LE(peak, model.PredictPeak(DefaultSchedule(), 0).Total());
+}
+
+TEST(MemoryModelTest, BreakdownTotalAndText) {
+  MemoryBreakdown b;
+  b.shards = 1 << 20;
+  b.other = 1 << 20;
+  EXPECT_EQ(b.Total(), 2 << 20);
+  EXPECT_NE(b.ToString().find("total 2.00 MiB"), std::string::npos)
+      << b.ToString();
+  EXPECT_NE(b.ToString().find("other 1.00"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace hsdp

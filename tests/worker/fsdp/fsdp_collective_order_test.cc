@@ -1,0 +1,306 @@
+// Collective order under test: the engine runs the production planner's
+// schedules through recording communicators, and each test asserts what a
+// schedule field makes the engine issue, and when, relative to unit compute.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "coordinator/planner.h"
+#include "tests/worker/fsdp/fsdp_test_util.h"
+#include "tests/worker/fsdp/recording_communicator.h"
+
+namespace hsdp::fsdp::testing {
+namespace {
+
+using v1::StepSchedule;
+
+// Four blocks: prefetch depth 2 and kept units in the middle have room.
+constexpr int kLayers = 4;
+constexpr int kUnits = kLayers + 1;
+
+struct Recorded {
+  StepSchedule schedule;
+  std::vector<CollectiveEvent> events;  // of the recorded (second) step
+  std::string text;
+  EngineStats stats;  // of the recorded step
+};
+
+// Trains two steps of `config` on `shape` through recording communicators and
+// returns rank 0's record of the second one (the first warms up: the
+// optimizer state, the buffer pool). `flat` takes the engine's flat path.
+Recorded Record(comm::MeshShape shape, RunConfig config, bool flat = false) {
+  config.dims.layers = kLayers;
+  config.steps = 2;
+  const StateDict init = MakeInitialState(config.dims, 30);
+  Recorded out;
+  RunOnMesh(shape, [&](RankContext& ctx) {
+    CollectiveLog log;
+    RecordingCommunicator shard(&ctx.mesh->shard(), &log, !flat);
+    RecordingCommunicator replicate(&ctx.mesh->replicate(), &log, !flat);
+    TinyTransformer model = MakeModel(config.dims, init);
+    std::unique_ptr<Engine> engine =
+        MakeEngine(model, MeshComms{&shard, &replicate}, config);
+    torch::optim::AdamW optimizer(engine->Parameters());
+    const StepSchedule schedule = PlanSchedule(*engine, config);
+    const int local = config.global_batch / shape.world_size();
+    const int per_mb = local / config.microbatches;
+    for (int step = 0; step < config.steps; ++step) {
+      engine->ResetStats();
+      log.Clear();
+      log.set_engine(engine.get());
+      for (int mb = 0; mb < config.microbatches; ++mb) {
+        ASSERT_TRUE(engine->Apply(schedule, mb).ok());
+        log.set_microbatch(mb);
+        log.set_phase(Phase::kForward);
+        auto [tokens, targets] =
+            Batch(config.dims, step, ctx.rank * local + mb * per_mb, per_mb);
+        at::Tensor logits = EngineForward(*engine, model, tokens,
+                                          /*checkpoint=*/false, &log);
+        at::Tensor loss = Loss(logits, targets);
+        log.set_phase(Phase::kBackward);
+        loss.backward();
+      }
+      optimizer.step();
+      optimizer.zero_grad();
+    }
+    if (ctx.rank == 0) {
+      out.schedule = schedule;
+      out.events = log.events();
+      out.text = log.ToString();
+      out.stats = engine->Stats();
+    }
+  });
+  return out;
+}
+
+int Find(const Recorded& r, EventKind kind, int unit, int mb, Phase phase) {
+  for (size_t i = 0; i < r.events.size(); ++i) {
+    const CollectiveEvent& e = r.events[i];
+    if (e.kind == kind && e.unit == unit && e.microbatch == mb &&
+        e.phase == phase) {
+      return static_cast<int>(i);
+    }
+  }
+  return -1;
+}
+
+int64_t Count(const Recorded& r, EventKind kind, int mb = -1, int unit = -1,
+              int phase = -1) {
+  int64_t n = 0;
+  for (const CollectiveEvent& e : r.events) {
+    if (e.kind == kind && (mb < 0 || e.microbatch == mb) &&
+        (unit < 0 || e.unit == unit) &&
+        (phase < 0 || e.phase == static_cast<Phase>(phase))) {
+      ++n;
+    }
+  }
+  return n;
+}
+
+constexpr int kFwd = static_cast<int>(Phase::kForward);
+constexpr int kBwd = static_cast<int>(Phase::kBackward);
+
+// Every collective is attributed to a unit.
+void ExpectAttributed(const Recorded& r) {
+  for (const CollectiveEvent& e : r.events) {
+    if (e.is_collective()) EXPECT_GE(e.unit, 0) << r.text;
+  }
+}
+
+// Depth d: every unit the schedule lists is gathered before the listing unit's
+// compute begins, forward and backward — so before it ends.
+TEST(CollectiveOrderTest, PrefetchIssuesTheListedGathersBeforeComputeEnds) {
+  for (int depth : {1, 2}) {
+    RunConfig config;
+    config.prefetch = depth;
+    const Recorded r = Record({1, 2}, config);
+    SCOPED_TRACE(absl::StrCat("depth ", depth, ": ", r.text));
+    ExpectAttributed(r);
+    int checked = 0;
+    for (int i = 0; i < kUnits; ++i) {
+      const v1::UnitSchedule& u = r.schedule.units(i);
+      EXPECT_EQ(u.forward_prefetch_size(), std::min(depth, kUnits - 1 - i));
+      for (int j : u.forward_prefetch()) {
+        const int gather =
+            Find(r, EventKind::kAllGather, j, 0, Phase::kForward);
+        ASSERT_GE(gather, 0) << "unit " << j;
+        EXPECT_LT(gather,
+                  Find(r, EventKind::kComputeBegin, i, 0, Phase::kForward))
+            << "forward: unit " << i << " prefetches " << j;
+        ++checked;
+      }
+      for (int j : u.backward_prefetch()) {
+        const int gather =
+            Find(r, EventKind::kAllGather, j, 0, Phase::kBackward);
+        ASSERT_GE(gather, 0) << "unit " << j;
+        EXPECT_LT(gather,
+                  Find(r, EventKind::kComputeBegin, i, 0, Phase::kBackward))
+            << "backward: unit " << i << " prefetches " << j;
+        ++checked;
+      }
+    }
+    // Forward: depth per unit, clipped; backward: the same over the blocks.
+    EXPECT_EQ(checked, 2 * (depth == 1 ? 4 : 7));
+    // The root's backward list starts with the last block.
+    EXPECT_EQ(r.schedule.units(0).backward_prefetch(0), kLayers);
+  }
+}
+
+// Without prefetch each unit is gathered only after the previous one's
+// compute: the assertion above can fail.
+TEST(CollectiveOrderTest, WithoutPrefetchGathersWaitForTheUnit) {
+  RunConfig config;
+  config.prefetch = 0;
+  const Recorded r = Record({1, 2}, config);
+  SCOPED_TRACE(r.text);
+  for (int i = 1; i + 1 < kUnits; ++i) {
+    EXPECT_GT(Find(r, EventKind::kAllGather, i + 1, 0, Phase::kForward),
+              Find(r, EventKind::kComputeEnd, i, 0, Phase::kForward));
+  }
+  for (int i = kUnits - 1; i > 1; --i) {
+    EXPECT_GT(Find(r, EventKind::kAllGather, i - 1, 0, Phase::kBackward),
+              Find(r, EventKind::kComputeEnd, i, 0, Phase::kBackward));
+  }
+}
+
+// The root rule: one all-gather of the root per step, in forward; backward
+// finds it unsharded.
+TEST(CollectiveOrderTest, RootIsGatheredOncePerStep) {
+  RunConfig config;
+  config.prefetch = 1;
+  const Recorded r = Record({1, 2}, config);
+  EXPECT_EQ(Count(r, EventKind::kAllGather, 0, 0), 1) << r.text;
+  EXPECT_EQ(Count(r, EventKind::kAllGather, 0, 0, kFwd), 1) << r.text;
+}
+
+TEST(CollectiveOrderTest, ReshardAfterForwardOffIssuesNoBackwardGather) {
+  RunConfig config;
+  config.prefetch = 1;
+  config.reshard_after_forward = false;
+  Recorded r = Record({1, 2}, config);
+  EXPECT_EQ(Count(r, EventKind::kAllGather, -1, -1, kBwd), 0) << r.text;
+  EXPECT_EQ(Count(r, EventKind::kAllGather), kUnits) << r.text;
+  // On: every block is gathered again in backward (not the root).
+  config.reshard_after_forward = true;
+  r = Record({1, 2}, config);
+  for (int i = 1; i < kUnits; ++i) {
+    EXPECT_EQ(Count(r, EventKind::kAllGather, 0, i, kBwd), 1)
+        << "unit " << i << ": " << r.text;
+  }
+}
+
+// reshard_after_backward decides whether the second microbatch's forward
+// gathers a block again; at one microbatch it changes nothing (the last
+// backward reshards everything).
+TEST(CollectiveOrderTest, ReshardAfterBackwardActsBetweenMicrobatchesOnly) {
+  RunConfig config;
+  config.prefetch = 1;
+  config.microbatches = 2;
+  config.reshard_after_backward = true;
+  Recorded r = Record({1, 2}, config);
+  EXPECT_EQ(Count(r, EventKind::kAllGather, 1, -1, kFwd), kUnits - 1) << r.text;
+  config.reshard_after_backward = false;
+  r = Record({1, 2}, config);
+  EXPECT_EQ(Count(r, EventKind::kAllGather, 1, -1, kFwd), 0) << r.text;
+  // Either way nothing stays unsharded after the step.
+  EXPECT_EQ(r.stats.unsharded_bytes_alive, 0);
+  config.microbatches = 1;
+  const Recorded one_off = Record({1, 2}, config);
+  config.reshard_after_backward = true;
+  const Recorded one_on = Record({1, 2}, config);
+  EXPECT_EQ(Count(one_on, EventKind::kAllGather),
+            Count(one_off, EventKind::kAllGather));
+}
+
+TEST(CollectiveOrderTest, NoSyncMicrobatchIssuesNoReduceScatter) {
+  RunConfig config;
+  config.microbatches = 2;
+  config.sync_every_microbatch = false;
+  Recorded r = Record({1, 2}, config);
+  EXPECT_FALSE(r.schedule.microbatches(0).requires_grad_sync());
+  EXPECT_EQ(Count(r, EventKind::kReduceScatter, 0), 0) << r.text;
+  EXPECT_EQ(Count(r, EventKind::kReduceScatter, 1), kUnits) << r.text;
+  // Every reduce-scatter is issued in backward, after its unit's compute.
+  for (int i = 0; i < kUnits; ++i) {
+    EXPECT_GT(Find(r, EventKind::kReduceScatter, i, 1, Phase::kBackward),
+              Find(r, EventKind::kComputeEnd, i, 1, Phase::kBackward))
+        << "unit " << i << ": " << r.text;
+  }
+  config.sync_every_microbatch = true;
+  r = Record({1, 2}, config);
+  EXPECT_EQ(Count(r, EventKind::kReduceScatter, 0), kUnits) << r.text;
+}
+
+TEST(CollectiveOrderTest, HsdpAllReduceOnlyWhereTheScheduleAsks) {
+  RunConfig config;
+  config.microbatches = 2;
+  config.sync_every_microbatch = true;
+  config.all_reduce_every_microbatch = false;
+  Recorded r = Record({2, 2}, config);
+  EXPECT_FALSE(r.schedule.microbatches(0).requires_all_reduce());
+  EXPECT_TRUE(r.schedule.microbatches(1).requires_all_reduce());
+  EXPECT_EQ(Count(r, EventKind::kAllReduce, 0), 0) << r.text;
+  EXPECT_EQ(Count(r, EventKind::kAllReduce, 1), kUnits) << r.text;
+  EXPECT_EQ(r.stats.all_reduces, kUnits);
+  // Each unit's all-reduce follows its reduce-scatter.
+  for (int i = 0; i < kUnits; ++i) {
+    EXPECT_GT(Find(r, EventKind::kAllReduce, i, 1, Phase::kBackward),
+              Find(r, EventKind::kReduceScatter, i, 1, Phase::kBackward));
+  }
+  config.all_reduce_every_microbatch = true;
+  r = Record({2, 2}, config);
+  EXPECT_EQ(Count(r, EventKind::kAllReduce, 0), kUnits) << r.text;
+  // One replica: nothing to all-reduce with, whatever the flags say.
+  r = Record({1, 2}, config);
+  EXPECT_TRUE(r.schedule.microbatches(0).requires_all_reduce());
+  EXPECT_EQ(Count(r, EventKind::kAllReduce), 0) << r.text;
+}
+
+// Per step, on both paths and meshes, the recorded collectives, the engine's
+// counters and what the schedule implies (coordinator::CountCollectives) are
+// the same numbers.
+TEST(CollectiveOrderTest, CountsPerStepEqualWhatTheScheduleImplies) {
+  struct Case {
+    const char* name;
+    RunConfig config;
+  };
+  std::vector<Case> cases;
+  RunConfig base;
+  base.prefetch = 1;
+  cases.push_back({"default", base});
+  RunConfig keep = base;
+  keep.reshard_after_forward = false;
+  cases.push_back({"keep", keep});
+  RunConfig accumulate = base;
+  accumulate.microbatches = 2;
+  accumulate.sync_every_microbatch = false;
+  accumulate.reshard_after_backward = false;
+  cases.push_back({"accumulate", accumulate});
+  RunConfig every = base;
+  every.microbatches = 2;
+  every.prefetch = 2;
+  every.all_reduce_every_microbatch = false;
+  cases.push_back({"sync every, all-reduce last", every});
+  for (const Case& c : cases) {
+    for (bool flat : {false, true}) {
+      const Recorded r = Record({2, 2}, c.config, flat);
+      SCOPED_TRACE(
+          absl::StrCat(c.name, flat ? " flat" : " segments", ": ", r.text));
+      ExpectAttributed(r);
+      const coordinator::CollectiveCounts want =
+          coordinator::CountCollectives(r.schedule, /*replicate_size=*/2);
+      EXPECT_EQ(Count(r, EventKind::kAllGather), want.all_gathers);
+      EXPECT_EQ(Count(r, EventKind::kReduceScatter), want.reduce_scatters);
+      EXPECT_EQ(Count(r, EventKind::kAllReduce), want.all_reduces);
+      EXPECT_EQ(r.stats.all_gathers, want.all_gathers);
+      EXPECT_EQ(r.stats.reduce_scatters, want.reduce_scatters);
+      EXPECT_EQ(r.stats.all_reduces, want.all_reduces);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace hsdp::fsdp::testing
