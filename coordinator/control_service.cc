@@ -201,6 +201,50 @@ grpc::Status ControlServiceImpl::RequestCheckpoint(
   });
 }
 
+grpc::Status ControlServiceImpl::StartTrace(
+    grpc::ServerContext* context, const hsdp::v1::StartTraceRequest* request,
+    hsdp::v1::StartTraceResponse* response) {
+  return ServeTracked(core_.calls, [&]() -> absl::Status {
+    HSDP_RETURN_IF_ERROR(Authenticate(*context));
+    if (core_.traces == nullptr) {
+      return absl::UnimplementedError("this coordinator collects no traces");
+    }
+    HSDP_ASSIGN_OR_RETURN(
+        auto range, core_.schedule_log->RequestTrace(request->first_step(),
+                                                     request->last_step()));
+    response->set_first_step(range.first);
+    response->set_last_step(range.second);
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status ControlServiceImpl::GetTrace(
+    grpc::ServerContext* context, const hsdp::v1::GetTraceRequest* request,
+    hsdp::v1::GetTraceResponse* response) {
+  return ServeTracked(core_.calls, [&]() -> absl::Status {
+    HSDP_RETURN_IF_ERROR(Authenticate(*context));
+    if (core_.traces == nullptr) {
+      return absl::UnimplementedError("this coordinator collects no traces");
+    }
+    // A step's ranks: the world size it was sealed for (0 until sealed).
+    auto expected = [this](int64_t step) -> int {
+      absl::StatusOr<std::shared_ptr<const SealedSchedule>> sealed =
+          core_.schedule_log->GetSealed(step);
+      if (!sealed.ok() || !(*sealed)->schedule.trace()) return 0;
+      return std::max(1, (*sealed)->schedule.world_size());
+    };
+    HSDP_ASSIGN_OR_RETURN(RenderedTrace trace,
+                          core_.traces->Render(request->first_step(),
+                                               request->last_step(), expected));
+    response->set_complete(trace.complete);
+    response->set_chrome_trace_json(std::move(trace.chrome_json));
+    response->set_rank_steps_reported(trace.rank_steps_reported);
+    response->set_rank_steps_expected(trace.rank_steps_expected);
+    response->set_max_clock_error_nanos(trace.max_clock_error_nanos);
+    return absl::OkStatus();
+  });
+}
+
 grpc::Status ControlServiceImpl::EvictWorker(
     grpc::ServerContext* context, const hsdp::v1::EvictWorkerRequest* request,
     hsdp::v1::EvictWorkerResponse* response) {

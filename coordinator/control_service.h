@@ -66,6 +66,12 @@ class ControlServiceImpl final : public hsdp::v1::ControlService::Service {
   grpc::Status Drain(grpc::ServerContext* context,
                      const hsdp::v1::DrainRequest* request,
                      hsdp::v1::DrainResponse* response) override;
+  grpc::Status StartTrace(grpc::ServerContext* context,
+                          const hsdp::v1::StartTraceRequest* request,
+                          hsdp::v1::StartTraceResponse* response) override;
+  grpc::Status GetTrace(grpc::ServerContext* context,
+                        const hsdp::v1::GetTraceRequest* request,
+                        hsdp::v1::GetTraceResponse* response) override;
   grpc::Status EvictWorker(grpc::ServerContext* context,
                            const hsdp::v1::EvictWorkerRequest* request,
                            hsdp::v1::EvictWorkerResponse* response) override;

@@ -12,6 +12,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "common/mesh.h"
 #include "common/status_util.h"
 #include "common/units.h"
@@ -213,6 +214,7 @@ grpc::Status CoordinatorServiceImpl::Heartbeat(
     // member to re-form.
     response->set_generation(beat.generation);
     response->set_job_state(beat.job_state);
+    response->set_server_time_unix_nanos(absl::GetCurrentTimeNanos());
     response->set_worker_state(beat.worker_state);
     response->set_message(beat.message);
     return absl::OkStatus();
@@ -239,8 +241,7 @@ grpc::Status CoordinatorServiceImpl::AwaitGeneration(
 }
 
 grpc::Status CoordinatorServiceImpl::ReportFailure(
-    grpc::ServerContext* context,
-    const hsdp::v1::ReportFailureRequest* request,
+    grpc::ServerContext* context, const hsdp::v1::ReportFailureRequest* request,
     hsdp::v1::ReportFailureResponse* response) {
   return Serve(*context, [&]() -> absl::Status {
     HSDP_RETURN_IF_ERROR(core_.membership->CheckJobId(request->job_id()));
@@ -258,10 +259,11 @@ grpc::Status CoordinatorServiceImpl::CommitStep(
     hsdp::v1::CommitStepResponse* response) {
   return Serve(*context, [&]() -> absl::Status {
     HSDP_RETURN_IF_ERROR(core_.membership->CheckJobId(request->job_id()));
-    HSDP_ASSIGN_OR_RETURN(CommitResult result,
-                          core_.membership->CommitStep(
-                              request->worker_id(), request->generation(),
-                              request->step(), LongPollDeadline(*context, core_.max_long_poll)));
+    HSDP_ASSIGN_OR_RETURN(
+        CommitResult result,
+        core_.membership->CommitStep(
+            request->worker_id(), request->generation(), request->step(),
+            LongPollDeadline(*context, core_.max_long_poll)));
     response->set_step(result.step);
     response->set_reform_after(result.reform_after);
     return absl::OkStatus();
@@ -283,10 +285,10 @@ grpc::Status CoordinatorServiceImpl::GetSchedule(
             request->worker_id() != 0
                 ? std::optional<int64_t>(request->generation())
                 : std::nullopt));
-    HSDP_ASSIGN_OR_RETURN(
-        ScheduleRead read,
-        core_.schedule_log->GetSchedule(request->step(), member.generation,
-                                        LongPollDeadline(*context, core_.max_long_poll)));
+    HSDP_ASSIGN_OR_RETURN(ScheduleRead read,
+                          core_.schedule_log->GetSchedule(
+                              request->step(), member.generation,
+                              LongPollDeadline(*context, core_.max_long_poll)));
     if (read.drained) {
       response->set_drained(true);
       return absl::OkStatus();
@@ -309,7 +311,9 @@ CoordinatorServiceImpl::WatchSchedules(
   // A stream has no Serve(): the same checks, in the same order.
   absl::Status checked = job_auth_.Check(*context);
   if (checked.ok()) checked = core_.membership->CheckJobId(request->job_id());
-  absl::StatusOr<MemberContext> member = checked;
+  // A StatusOr may not hold an OK status: start from an error that the
+  // lookup below replaces.
+  absl::StatusOr<MemberContext> member = absl::UnknownError("not resolved");
   if (checked.ok()) {
     member = core_.membership->ResolveMember(
         request->worker_id(), request->rank(),
@@ -344,6 +348,15 @@ grpc::Status CoordinatorServiceImpl::ReportStep(
                            report.generation() == beat.generation)) {
       report.set_rank(beat.rank);
       HSDP_RETURN_IF_ERROR(core_.schedule_log->RecordReport(report));
+    }
+    if (report.trace_size() > 0) {
+      // Spans go to the trace collector only: the report book and the
+      // metrics keep per-step numbers.
+      if (core_.traces != nullptr && beat.rank >= 0) {
+        report.set_rank(beat.rank);
+        core_.traces->Record(report);
+      }
+      report.clear_trace();
     }
     core_.reports->Record(report);
     core_.metrics->RecordReport(report);

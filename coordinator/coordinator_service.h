@@ -27,6 +27,7 @@
 #include "coordinator/metrics.h"
 #include "coordinator/schedule_feed.h"
 #include "coordinator/schedule_log.h"
+#include "coordinator/trace_collector.h"
 #include "hsdp/v1/coordinator_service.grpc.pb.h"
 
 namespace grpc {
@@ -113,6 +114,8 @@ struct CoordinatorCore {
   std::string dashboard_url;
   // Serves WatchSchedules; null: UNIMPLEMENTED (workers use GetSchedule).
   ScheduleFeed* schedule_feed = nullptr;
+  // Collects the spans of traced steps (hsdpctl trace); null: dropped.
+  TraceCollector* traces = nullptr;
 };
 
 // Runs a handler body (returning absl::Status) as one tracked call and

@@ -6,6 +6,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/policy.h"
+#include "common/status_util.h"
+#include "coordinator/trace_collector.h"
 
 namespace hsdp::coordinator {
 namespace {
@@ -245,6 +247,7 @@ absl::Status ScheduleLog::SealThroughLocked(int64_t step) {
     sealed->schedule.set_first_microbatch(next_first_microbatch_);
     sealed->schedule.set_batch_mode(shrink ? hsdp::v1::BATCH_MODE_SHRINK
                                            : hsdp::v1::BATCH_MODE_FIXED);
+    sealed->schedule.set_trace(trace_requests_.count(s) > 0);
     sealed->bytes = sealed->schedule.SerializeAsString();
     if (sealed->schedule.over_memory_budget()) {
       ReportOverBudgetLocked(sealed->schedule, policy);
@@ -295,6 +298,8 @@ void ScheduleLog::RecordCommitted(int64_t step) {
   committed_floor_ = step;
   checkpoint_requests_.erase(checkpoint_requests_.begin(),
                              checkpoint_requests_.upper_bound(step));
+  trace_requests_.erase(trace_requests_.begin(),
+                        trace_requests_.upper_bound(step));
   window_cv_.SignalAll();
 }
 
@@ -431,6 +436,25 @@ absl::StatusOr<int64_t> ScheduleLog::RequestCheckpoint() {
     return s;
   }
   return step;
+}
+
+absl::StatusOr<std::pair<int64_t, int64_t>> ScheduleLog::RequestTrace(
+    int64_t first, int64_t last) {
+  absl::MutexLock lock(&mu_);
+  if (first == 0) first = next_unsealed_;
+  if (last == 0) last = first;
+  HSDP_RETURN_IF_ERROR(ValidateTraceRange(first, last));
+  if (first < next_unsealed_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "first_step ", first, " is already sealed: the first unsealed step is ",
+        next_unsealed_));
+  }
+  if (drain_step_ >= 0 && last > drain_step_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "last_step ", last, " is past the drain step ", drain_step_));
+  }
+  for (int64_t s = first; s <= last; ++s) trace_requests_.insert(s);
+  return std::make_pair(first, last);
 }
 
 absl::StatusOr<int64_t> ScheduleLog::Drain() {

@@ -47,6 +47,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -177,6 +178,13 @@ class ScheduleLog {
   // holds until the step commits, so a re-sealed step keeps it.
   absl::StatusOr<int64_t> RequestCheckpoint();
 
+  // Marks steps first..last (first 0: the first unsealed step; last 0: first)
+  // to be traced and returns the range. FAILED_PRECONDITION if first is
+  // already sealed; INVALID_ARGUMENT for a bad range (ValidateTraceRange).
+  // Not persisted: a restarted coordinator traces nothing it was asked before.
+  absl::StatusOr<std::pair<int64_t, int64_t>> RequestTrace(int64_t first,
+                                                           int64_t last);
+
   // Stops sealing after the first unsealed step and returns it (the last step
   // that runs). Idempotent: a second call returns the same step. Fails only if
   // persisting fails.
@@ -279,6 +287,8 @@ class ScheduleLog {
   int64_t restored_floor_ ABSL_GUARDED_BY(mu_) = -1;
   int64_t drain_step_ ABSL_GUARDED_BY(mu_) = -1;
   std::set<int64_t> checkpoint_requests_ ABSL_GUARDED_BY(mu_);
+  // Steps to trace (RequestTrace); settled like checkpoint requests.
+  std::set<int64_t> trace_requests_ ABSL_GUARDED_BY(mu_);
   std::map<int64_t, std::set<int>> checkpoint_saves_ ABSL_GUARDED_BY(mu_);
   int64_t last_checkpoint_step_ ABSL_GUARDED_BY(mu_) = -1;
   bool shutdown_ ABSL_GUARDED_BY(mu_) = false;

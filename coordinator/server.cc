@@ -116,6 +116,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   }
   s->reports_ = std::make_unique<ReportBook>();
   s->calls_ = std::make_unique<CallTracker>();
+  s->traces_ = std::make_unique<TraceCollector>();
 
   CoordinatorCore core;
   core.membership = s->membership_.get();
@@ -124,6 +125,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   core.metrics = s->metrics_.get();
   core.reports = s->reports_.get();
   core.calls = s->calls_.get();
+  core.traces = s->traces_.get();
   core.dashboard_url = s->dashboard_url_;
   s->events_ = std::make_unique<CoreEvents>(core);
   s->membership_->SetListener(s->events_.get());
@@ -132,7 +134,8 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   s->schedule_feed_ = std::make_unique<ScheduleFeed>(
       s->schedule_log_.get(), s->membership_.get(), feed_options);
   core.schedule_feed = s->schedule_feed_.get();
-  s->coordinator_service_ = std::make_unique<CoordinatorServiceImpl>(core, options.job_token);
+  s->coordinator_service_ =
+      std::make_unique<CoordinatorServiceImpl>(core, options.job_token);
   s->control_service_ =
       std::make_unique<ControlServiceImpl>(core, options.control_token);
   RefreshMembershipMetrics(core);

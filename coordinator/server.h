@@ -17,6 +17,7 @@
 #include "common/mesh.h"
 #include "coordinator/schedule_feed.h"
 #include "coordinator/schedule_log.h"
+#include "coordinator/trace_collector.h"
 #include "hsdp/v1/policy.pb.h"
 
 namespace grpc {
@@ -150,6 +151,7 @@ class CoordinatorServer {
   std::unique_ptr<Dashboard> dashboard_;
   // Before server_: streams report their end to it until the server is gone.
   std::unique_ptr<ScheduleFeed> schedule_feed_;
+  std::unique_ptr<TraceCollector> traces_;
   std::unique_ptr<grpc::Server> server_;
   // Last, so it stops (waiting for its handlers) before what they use goes.
   std::unique_ptr<HttpServer> http_server_;

@@ -10,7 +10,8 @@
 //     same bytes at world 2 (target >= 0.9x throughput);
 //  4. step time and collectives per step at world 4 over the schedules the
 //     coordinator's planner seals (default policy vs reshard after forward
-//     off), over both transports side by side.
+//     off), over both transports side by side;
+//  5. step time with the timeline recorder on vs off (target <= 1.03x).
 // Memory and collectives are measured over both transports of ranks on one
 // host: Gloo TCP and shared memory (the default).
 // Ranks are threads over loopback Gloo; one intra-op thread per rank.
@@ -36,6 +37,7 @@
 #include "worker/fsdp/collectives.h"
 #include "worker/fsdp/fully_shard.h"
 #include "worker/fsdp/planner_units.h"
+#include "worker/fsdp/trace_recorder.h"
 #include "worker/fsdp/unit_group.h"
 #include "worker/models/gpt.h"
 
@@ -60,7 +62,7 @@ struct Flags {
   // Which of the sections above run (1 step, 2 memory, 3 collectives, 4
   // schedules).
   std::vector<std::string> sections = {"step", "memory", "collectives",
-                                       "schedules"};
+                                       "schedules", "trace"};
 };
 
 bool Runs(const Flags& flags, const std::string& section) {
@@ -462,6 +464,49 @@ void ScheduledSteps(const models::GptConfig& config, const Flags& flags,
   }
 }
 
+// Step time with the timeline recorder on (hsdpctl trace) against off, on the
+// default policy's schedule, interleaved.
+void TracedSteps(const models::GptConfig& config, const Flags& flags,
+                 Transport transport) {
+  constexpr int kWorld = 4;
+  std::vector<double> off, on;
+  size_t spans_per_step = 0;
+  RunRanks(kWorld, transport, [&](int rank, comm::DeviceMesh& mesh) {
+    ShardedGpt sharded(config, mesh);
+    coordinator::Planner planner(PlannerUnits(*sharded.engine), kWorld);
+    const hsdp::v1::StepSchedule schedule =
+        planner.Plan(hsdp::v1::Policy(), coordinator::PlanInput());
+    torch::manual_seed(kSeed + rank);
+    auto [tokens, targets] = Tokens(config, std::max(1, flags.batch / kWorld));
+    TraceRecorder recorder;
+    auto step = [&](bool traced) {
+      sharded.engine->SetTraceRecorder(traced ? &recorder : nullptr);
+      const double s =
+          Seconds([&] { sharded.Step(tokens, targets, &schedule); });
+      sharded.engine->SetTraceRecorder(nullptr);
+      const size_t n = recorder.Take().size();
+      if (traced && rank == 0) spans_per_step = n;
+      return s;
+    };
+    for (int i = 0; i < kWarmupSteps; ++i) step(i % 2 == 0);
+    for (int i = 0; i < flags.steps; ++i) {
+      for (int k = 0; k < 2; ++k) {  // alternating which runs first
+        const bool traced = (i + k) % 2 == 1;
+        (void)mesh.shard().Barrier()->Wait();
+        const double s = step(traced);
+        if (rank == 0) (traced ? on : off).push_back(s);
+      }
+    }
+  });
+  const double ratio = Median(on) / Median(off);
+  std::printf(
+      "tracing, world 4 (1x4, %s, batch %d, median of %d interleaved): "
+      "recorder off %.1f ms, on %.1f ms (%zu spans per rank-step): x %.3f "
+      "(target <= 1.03) %s; off costs one pointer test per hook\n",
+      TransportName(transport), flags.batch, flags.steps, Median(off) * 1e3,
+      Median(on) * 1e3, spans_per_step, ratio, ratio <= 1.03 ? "PASS" : "MISS");
+}
+
 }  // namespace
 }  // namespace hsdp::fsdp
 
@@ -481,7 +526,7 @@ int main(int argc, char** argv) {
                  "worlds for the memory ratio")
       ->delimiter(',');
   app.add_option("--sections", flags.sections,
-                 "sections to run: step,memory,collectives,schedules")
+                 "sections to run: step,memory,collectives,schedules,trace")
       ->delimiter(',');
   try {
     app.parse(argc, argv);
@@ -511,6 +556,9 @@ int main(int argc, char** argv) {
   }
   for (Transport t : {Transport::kSharedMemory, Transport::kGlooTcp}) {
     if (Runs(flags, "schedules")) hsdp::fsdp::ScheduledSteps(*config, flags, t);
+  }
+  if (Runs(flags, "trace")) {
+    hsdp::fsdp::TracedSteps(*config, flags, Transport::kSharedMemory);
   }
   return 0;
 }

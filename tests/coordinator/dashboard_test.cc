@@ -268,7 +268,8 @@ TEST_F(DashboardTest, APolicyChangeLandsAsSetPolicyDoes) {
   EXPECT_TRUE(sealed.schedule().units(1).reshard_after_forward());
   const hsdp::v1::StepSchedule next = Seal(3);
   EXPECT_EQ(next.policy_version(), 2);
-  EXPECT_TRUE(next.units(0).reshard_after_forward());   // root
+  // The root is never resharded after forward (FSDP2's root rule).
+  EXPECT_FALSE(next.units(0).reshard_after_forward());
   EXPECT_FALSE(next.units(1).reshard_after_forward());  // layers.0
 
   // The page's view follows: units from the latest sealed step, a mark at the

@@ -116,7 +116,7 @@ TEST_F(FeedTest, PushesSealedBytesInOrderAsTheSlowestRankAllows) {
   // Every pushed step was persisted before it was pushed.
   auto store = StateStore::Open(dir);
   ASSERT_TRUE(store.ok()) << store.status();
-  EXPECT_EQ((*store)->SealedSteps().at(2), message.schedule());
+  EXPECT_EQ((*store)->SealedSteps().at({2, 0}), message.schedule());
   context->TryCancel();
 }
 

@@ -4,9 +4,11 @@
 
 #include <atomic>
 #include <thread>
+#include <utility>
 
 #include "absl/time/clock.h"
 #include "common/policy.h"
+#include "coordinator/trace_collector.h"
 #include "tests/coordinator/core_test_util.h"
 
 namespace hsdp::coordinator {
@@ -175,7 +177,7 @@ TEST(ScheduleLogTest, MemoryBudgetBelowTheLeastPeakIsRefusedOrReported) {
             std::string::npos)
       << refused.status();
   EXPECT_EQ(log->CurrentPolicy().version, 2);
-  absl::StatusOr<ScheduleRead> s = log->GetSchedule(0, 0, Soon());
+  absl::StatusOr<ScheduleRead> s = log->GetSchedule(0, kGen0, Soon());
   ASSERT_TRUE(s.ok());
   EXPECT_FALSE(s->sealed->schedule.over_memory_budget());
   EXPECT_GT(s->sealed->schedule.predicted_peak_bytes(), 0);
@@ -183,7 +185,7 @@ TEST(ScheduleLogTest, MemoryBudgetBelowTheLeastPeakIsRefusedOrReported) {
   auto early = MakeLog(2, 4, nullptr, P("memory_budget_bytes: 10"),
                        /*units=*/false);
   ASSERT_TRUE(early->SetUnits(MakeUnits(3)).ok());
-  s = early->GetSchedule(0, 0, Soon());
+  s = early->GetSchedule(0, kGen0, Soon());
   ASSERT_TRUE(s.ok());
   EXPECT_TRUE(s->sealed->schedule.over_memory_budget());
   for (int i = 1; i < s->sealed->schedule.units_size(); ++i) {
@@ -195,7 +197,7 @@ TEST(ScheduleLogTest, MemoryBudgetBelowTheLeastPeakIsRefusedOrReported) {
 // raises the correction the next steps are planned with.
 TEST(ScheduleLogTest, ReportedPeaksCorrectTheMemoryModel) {
   auto log = MakeLog(2, 4, nullptr, P("memory_budget_bytes: 1000000"));
-  absl::StatusOr<ScheduleRead> s = log->GetSchedule(0, 0, Soon());
+  absl::StatusOr<ScheduleRead> s = log->GetSchedule(0, kGen0, Soon());
   ASSERT_TRUE(s.ok());
   const int64_t predicted = s->sealed->schedule.predicted_peak_bytes();
   for (int rank = 0; rank < 2; ++rank) {
@@ -456,6 +458,33 @@ TEST(ScheduleLogTest, RestoresUnitsFromStore) {
   absl::StatusOr<ScheduleRead> s = log->GetSchedule(0, kGen0, Soon());
   ASSERT_TRUE(s.ok()) << s.status();
   EXPECT_EQ(s->sealed->schedule.units_size(), 3);
+}
+
+TEST(ScheduleLogTest, TraceRequestsMarkOnlyTheirSteps) {
+  auto log = MakeLog(1, 4);
+  ASSERT_TRUE(log->GetSchedule(0, kGen0, Soon()).ok());
+  // First unsealed (1) through 2.
+  absl::StatusOr<std::pair<int64_t, int64_t>> range = log->RequestTrace(0, 2);
+  ASSERT_TRUE(range.ok()) << range.status();
+  EXPECT_EQ(range->first, 1);
+  EXPECT_EQ(range->second, 2);
+  CompleteAll(*log, 1, 0);
+  CompleteAll(*log, 1, 1);
+  ASSERT_TRUE(log->GetSchedule(3, kGen0, Soon()).ok());
+  for (int64_t step = 0; step <= 3; ++step) {
+    auto sealed = log->GetSealed(step);
+    ASSERT_TRUE(sealed.ok());
+    EXPECT_EQ((*sealed)->schedule.trace(), step == 1 || step == 2) << step;
+  }
+  // Sealed steps cannot be traced any more; a bad range changes nothing.
+  absl::Status sealed = log->RequestTrace(2, 4).status();
+  EXPECT_EQ(sealed.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(sealed.message().find("first_step 2"), std::string::npos) << sealed;
+  absl::Status backwards = log->RequestTrace(9, 5).status();
+  EXPECT_EQ(backwards.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(backwards.message().find("last_step"), std::string::npos);
+  EXPECT_EQ(log->RequestTrace(10, 10 + kMaxTraceSteps).status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

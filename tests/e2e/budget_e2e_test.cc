@@ -124,9 +124,8 @@ std::pair<int64_t, int64_t> ExpectBudgetHolds(const Cluster& c,
 
 TEST(BudgetE2eTest, MemoryBudgetHoldsFollowsChangesAndRefusesTheImpossible) {
   Cluster c("budget");
-  c.set_dims(kBudgetDims);
   c.StartCoordinator(kBudgetWorkers, kBudgetMesh);
-  c.StartWorkers(kBudgetWorkers, {}, /*steps=*/100000);
+  c.StartWorkers(kBudgetWorkers, {"--dims", kBudgetDims}, /*steps=*/100000);
   std::string out;
 
   // The least peak: the default policy. Step 0 has no optimizer state yet.

@@ -14,9 +14,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "worker/agent/agent_internal.h"
+#include "absl/time/clock.h"
 #include "common/status_util.h"
 #include "common/token.h"
+#include "worker/agent/agent_internal.h"
 
 namespace hsdp::agent {
 namespace {
@@ -301,7 +302,12 @@ void Agent::HeartbeatLoop() {
     grpc::ClientContext ctx;
     internal::SetDeadline(ctx, std::min(options_.rpc_timeout, interval * 2));
     hsdp::v1::HeartbeatResponse resp;
+    const int64_t send_nanos = absl::GetCurrentTimeNanos();
     absl::Status s = FromGrpc(stub_->Heartbeat(&ctx, req, &resp), "Heartbeat");
+    if (s.ok()) {
+      clock_.AddSample(send_nanos, resp.server_time_unix_nanos(),
+                       absl::GetCurrentTimeNanos());
+    }
     if (s.ok()) {
       absl::MutexLock lock(&mu_);
       if (!membership_.ok() || req.generation() != join_.generation()) {

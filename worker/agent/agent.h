@@ -53,6 +53,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "hsdp/v1/coordinator_service.grpc.pb.h"
+#include "worker/agent/clock_offset.h"
 #include "worker/agent/schedule_stream.h"
 
 namespace hsdp::agent {
@@ -196,6 +197,9 @@ class Agent {
   // or FAILED_PRECONDITION when the job failed or the worker was evicted). A
   // trainer that does not re-form stops with this error.
   absl::Status membership_status() const;
+  // The coordinator's clock relative to this worker's, from heartbeat round
+  // trips (empty before the first heartbeat answered). Aligns trace spans.
+  std::optional<ClockOffset> clock_offset() const { return clock_.Estimate(); }
 
  private:
   // Runs `attempt` (one RPC with a fresh context) until it succeeds, fails
@@ -259,6 +263,8 @@ class Agent {
   std::future<absl::StatusOr<hsdp::v1::GetScheduleResponse>> prefetch_;
   // Opened by the first GetSchedule (watch_schedules); same single consumer.
   std::unique_ptr<ScheduleStream> schedule_stream_;
+
+  ClockOffsetEstimator clock_;
 
   std::thread heartbeat_;
   std::thread watcher_;

@@ -17,6 +17,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -69,6 +70,9 @@ class Work {
   // Seconds the collective itself took (from start on the comm thread/stream to
   // completion); valid after Wait() returned OK.
   virtual double ElapsedSeconds() const = 0;
+  // Wall-clock time the collective completed, where the backend knows it (the
+  // CPU backends' executor); empty otherwise. Places it on a trace timeline.
+  virtual std::optional<absl::Time> CompletedAt() const { return std::nullopt; }
 };
 
 // A group of `size()` ranks. Thread-safety: calls may come from any thread but

@@ -1,6 +1,7 @@
 #include "worker/comm/serial_executor.h"
 
 #include <deque>
+#include <optional>
 #include <utility>
 
 #include "absl/base/thread_annotations.h"
@@ -19,11 +20,14 @@ struct WorkState {
   bool done ABSL_GUARDED_BY(mu) = false;
   absl::Status status ABSL_GUARDED_BY(mu);
   double elapsed_seconds ABSL_GUARDED_BY(mu) = 0;
+  absl::Time completed_at ABSL_GUARDED_BY(mu);
 
   void Complete(absl::Status s, double elapsed) {
+    const absl::Time now = absl::Now();
     absl::MutexLock lock(&mu);
     status = std::move(s);
     elapsed_seconds = elapsed;
+    completed_at = now;
     done = true;
   }
 };
@@ -132,6 +136,11 @@ class SerialExecutor::ExecutorWork final : public Work {
   double ElapsedSeconds() const override {
     absl::MutexLock lock(&work_->mu);
     return work_->elapsed_seconds;
+  }
+  std::optional<absl::Time> CompletedAt() const override {
+    absl::MutexLock lock(&work_->mu);
+    if (!work_->done) return std::nullopt;
+    return work_->completed_at;
   }
 
  private:

@@ -310,6 +310,7 @@ absl::Status Engine::Apply(const hsdp::v1::StepSchedule& schedule,
   });
   if (!s.ok()) return s;
   core_->ResetPassFlags();
+  core_->microbatch = microbatch;
   for (int i = 0; i < schedule.units_size(); ++i) {
     const hsdp::v1::UnitSchedule& u = schedule.units(i);
     UnitGroup& unit = *core_->units[i];
@@ -368,6 +369,10 @@ std::vector<std::pair<std::string, at::Tensor>> Engine::NamedParameters()
 }
 
 absl::Status Engine::status() const { return core_->status; }
+
+void Engine::SetTraceRecorder(TraceRecorder* recorder) {
+  core_->trace = recorder;
+}
 
 at::Tensor Recompute(Engine& engine, const TensorFn& fn,
                      const at::Tensor& input) {

@@ -69,6 +69,7 @@
 #include "absl/status/statusor.h"
 #include "common/memory_model.h"
 #include "worker/comm/communicator.h"
+#include "worker/fsdp/trace_recorder.h"
 
 namespace torch::nn {
 class Module;
@@ -276,6 +277,11 @@ class Engine {
   // First collective error since Create (sticky): once set, the engine stops
   // issuing collectives.
   absl::Status status() const;
+
+  // Records per-unit spans (forward, backward, collective waits, collectives
+  // in flight) into `recorder` until set back to null (the default: nothing
+  // recorded). `recorder` must outlive its use; set it between steps.
+  void SetTraceRecorder(TraceRecorder* recorder);
 
  private:
   friend EngineCore& CoreOf(Engine& engine);

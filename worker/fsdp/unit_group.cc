@@ -4,9 +4,11 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
 #include "worker/fsdp/collectives.h"
 #include "worker/fsdp/hooks.h"
 #include "worker/fsdp/memory_meter.h"
@@ -238,15 +240,40 @@ std::vector<ShardedParam*> UnitGroup::params() const {
 }
 
 absl::Status UnitGroup::WaitWork(std::unique_ptr<comm::Work>& work,
-                                 double* seconds, const char* what) {
+                                 double* seconds, const char* what,
+                                 int64_t issued_ns, TraceTrack track) {
+  TraceRecorder* const trace = core_->trace;
+  const int64_t wait_begin = trace ? TraceRecorder::NowNanos() : 0;
+  // Done before the wait: it ended no later than now.
+  const bool done_before = trace && work->IsCompleted();
   absl::Status s = work->Wait();
   if (!s.ok()) {
     return absl::Status(
         s.code(), absl::StrCat(what, " of unit ", name_, ": ", s.message()));
   }
   *seconds += work->ElapsedSeconds();
+  if (trace != nullptr) {
+    const int64_t wait_end = TraceRecorder::NowNanos();
+    Trace(absl::StrCat("wait ", what).c_str(), TraceTrack::kCompute, wait_begin,
+          wait_end);
+    // In flight from when it started (after the collectives queued before
+    // it on the same communicator) to completion.
+    const std::optional<absl::Time> completed = work->CompletedAt();
+    const int64_t end = completed     ? absl::ToUnixNanos(*completed)
+                        : done_before ? wait_begin
+                                      : wait_end;
+    const int64_t ran = static_cast<int64_t>(work->ElapsedSeconds() * 1e9);
+    Trace(what, track, std::max(issued_ns, end - ran), end);
+  }
   work.reset();
   return absl::OkStatus();
+}
+
+void UnitGroup::Trace(const char* name, TraceTrack track, int64_t begin_ns,
+                      int64_t end_ns) const {
+  if (core_->trace == nullptr) return;
+  core_->trace->Add(TraceSpan{name, name_, track, core_->microbatch, begin_ns,
+                              std::max(begin_ns, end_ns)});
 }
 
 void UnitGroup::Unshard() {
@@ -256,6 +283,7 @@ void UnitGroup::Unshard() {
     return;
   }
   core_->CheckOk();
+  if (core_->trace != nullptr) ag_issued_ns_ = TraceRecorder::NowNanos();
   if (UseSegments()) {
     IssueAllGatherSegments();
     return;
@@ -340,7 +368,8 @@ void UnitGroup::WaitForUnshard() {
   if (state_ != State::kGathering) return;
   if (ag_work_) {
     absl::Status s =
-        WaitWork(ag_work_, &stats_.all_gather_seconds, "all-gather");
+        WaitWork(ag_work_, &stats_.all_gather_seconds, "all-gather",
+                 ag_issued_ns_, TraceTrack::kShardComm);
     if (!s.ok()) core_->Fail(s);
   }
   for (ShardedParam* p : params()) {
@@ -376,6 +405,7 @@ void UnitGroup::Reshard() {
 
 void UnitGroup::PreForward() {
   core_->CheckOk();
+  if (core_->trace != nullptr) forward_begin_ns_ = TraceRecorder::NowNanos();
   if (index_ == 0 && core_->recompute_depth == 0) core_->BeginForwardMeasure();
   Unshard();
   // No forward prefetch while recomputing inside backward: the next units'
@@ -390,12 +420,17 @@ void UnitGroup::PreForward() {
 void UnitGroup::PostForward() {
   if (index_ == 0 && core_->recompute_depth == 0) core_->EndForwardMeasure();
   if (reshard_after_forward && core_->recompute_depth == 0) Reshard();
+  if (core_->trace != nullptr) {
+    Trace(core_->recompute_depth > 0 ? "recompute" : "forward",
+          TraceTrack::kCompute, forward_begin_ns_, TraceRecorder::NowNanos());
+  }
 }
 
 void UnitGroup::PreBackward() {
   core_->QueueEndOfBackwardOnce();
   if (pre_backward_done) return;
   pre_backward_done = true;
+  if (core_->trace != nullptr) backward_begin_ns_ = TraceRecorder::NowNanos();
   // An all-gather issued now queues behind the previous unit's reduce-scatter
   // on the same communicator anyway: finish that first, so its flat buffers
   // are reused instead of both sets being alive (a prefetched unit keeps the
@@ -409,6 +444,12 @@ void UnitGroup::PreBackward() {
 void UnitGroup::PostBackward() {
   if (post_backward_done) return;
   post_backward_done = true;
+  if (core_->trace != nullptr) {
+    // From this unit's pre-backward to its gradients being ready.
+    Trace("backward", TraceTrack::kCompute,
+          pre_backward_done ? backward_begin_ns_ : TraceRecorder::NowNanos(),
+          TraceRecorder::NowNanos());
+  }
   // At most one reduction in flight: bounds the flat gradient buffers alive at
   // once.
   core_->FinishPendingReductions();
@@ -423,6 +464,7 @@ void UnitGroup::PostBackward() {
 void UnitGroup::IssueReduction() {
   core_->CheckOk();
   ++stats_.reduce_scatters;
+  if (core_->trace != nullptr) rs_issued_ns_ = TraceRecorder::NowNanos();
   if (core_->shard_size() == 1 && core_->replicate_size() == 1) {
     // Nothing to reduce with: the gradients themselves, in reduce_dtype, are
     // the reduced shards (no flat buffer, no copy when the dtypes agree).
@@ -573,7 +615,8 @@ void UnitGroup::FinishReduction() {
   }
   if (rs_work_) {
     absl::Status s =
-        WaitWork(rs_work_, &stats_.reduce_scatter_seconds, "reduce-scatter");
+        WaitWork(rs_work_, &stats_.reduce_scatter_seconds, "reduce-scatter",
+                 rs_issued_ns_, TraceTrack::kShardComm);
     if (!s.ok()) core_->Fail(s);
   }
   if (rs_in_place_) {
@@ -617,9 +660,11 @@ void UnitGroup::FinishReduction() {
     absl::StatusOr<comm::Buffer> buffer = ToBuffer(reduced);
     if (!buffer.ok()) core_->Fail(buffer.status());
     ++stats_.all_reduces;
+    const int64_t issued = core_->trace ? TraceRecorder::NowNanos() : 0;
     std::unique_ptr<comm::Work> work =
         core_->mesh.replicate->AllReduce(*buffer, comm::ReduceOp::kAvg);
-    absl::Status s = WaitWork(work, &stats_.all_reduce_seconds, "all-reduce");
+    absl::Status s = WaitWork(work, &stats_.all_reduce_seconds, "all-reduce",
+                              issued, TraceTrack::kReplicateComm);
     if (!s.ok()) core_->Fail(s);
   }
   {

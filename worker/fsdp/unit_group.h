@@ -37,6 +37,7 @@
 #include "worker/comm/communicator.h"
 #include "worker/fsdp/fully_shard.h"
 #include "worker/fsdp/sharded_param.h"
+#include "worker/fsdp/trace_recorder.h"
 
 namespace hsdp::fsdp {
 
@@ -139,6 +140,11 @@ class EngineCore {
   bool requires_all_reduce = true;
   bool is_last_backward = true;
 
+  // The microbatch being trained (from Apply), for trace spans.
+  int microbatch = 0;
+  // Null unless the step is traced (Engine::SetTraceRecorder).
+  TraceRecorder* trace = nullptr;
+
   bool callback_queued = false;
   int recompute_depth = 0;
   std::vector<UnitGroup*> pending_reductions;
@@ -230,8 +236,14 @@ class UnitGroup {
   void IssueReduction();
   void IssueReduceScatterSegments();
   void ReleaseReductionBuffers();
+  // Waits `work` (a collective of this unit issued at `issued_ns`), adds its
+  // time to `seconds` and, when tracing, records the wait on the compute
+  // track and the collective on `track`.
   absl::Status WaitWork(std::unique_ptr<comm::Work>& work, double* seconds,
-                        const char* what);
+                        const char* what, int64_t issued_ns, TraceTrack track);
+  // Records a span of this unit, when tracing.
+  void Trace(const char* name, TraceTrack track, int64_t begin_ns,
+             int64_t end_ns) const;
 
   EngineCore* core_;
   int index_;
@@ -272,6 +284,12 @@ class UnitGroup {
   bool aliases_shard_ = false;
 
   UnitStats stats_;
+
+  // Trace times (wall clock ns; only read when tracing).
+  int64_t forward_begin_ns_ = 0;
+  int64_t backward_begin_ns_ = 0;
+  int64_t ag_issued_ns_ = 0;
+  int64_t rs_issued_ns_ = 0;
 };
 
 }  // namespace hsdp::fsdp

@@ -32,6 +32,7 @@
 #include "worker/train/rank_checkpoint.h"
 #include "worker/train/report_file.h"
 #include "worker/train/shard_context.h"
+#include "worker/train/step_trace.h"
 #include "worker/train/task_sharding.h"
 #include "worker/train/training_options.h"
 #include "worker/train/worker_mesh.h"
@@ -287,13 +288,17 @@ absl::Status TrainSharded(std::unique_ptr<Task> task, const WorkerOptions& o) {
   for (int64_t step = start; step <= last_step; ++step) {
     agent.SetCurrentStep(step);
     HSDP_RETURN_IF_ERROR(agent.membership_status());
+    const int64_t fetch_begin = StepTrace::Now();
     HSDP_ASSIGN_OR_RETURN(hsdp::v1::GetScheduleResponse resp,
                           agent.GetSchedule(step, last_step));
+    const int64_t fetch_end = StepTrace::Now();
     if (resp.drained()) {
       LOG(INFO) << "rank " << rank << " drained before step " << step;
       break;
     }
     const hsdp::v1::StepSchedule& schedule = resp.schedule();
+    StepTrace trace(*engine, schedule.trace());
+    trace.Add("schedule fetch", fetch_begin, fetch_end);
     const int micro = std::max(1, schedule.microbatches_size());
     const int64_t first_sample =
         static_cast<int64_t>(rank) * micro * t.microbatch_size;
@@ -327,12 +332,14 @@ absl::Status TrainSharded(std::unique_ptr<Task> task, const WorkerOptions& o) {
       loss_sum += loss.detach().to(at::kDouble);
     }
     const fsdp::EngineStats stats = engine->Stats();
+    const int64_t optimizer_begin = StepTrace::Now();
     if (t.clip_grad_norm > 0) {
       HSDP_RETURN_IF_ERROR(
           fsdp::ClipGradNormGlobal(*engine, t.clip_grad_norm).status());
     }
     opt->step();
     opt->zero_grad();
+    trace.Add("optimizer", optimizer_begin, StepTrace::Now());
     HSDP_ASSIGN_OR_RETURN(const double loss,
                           MeshAverage(*mesh, loss_sum.item<double>(), device));
     const double step_seconds = SecondsSince(t0);
@@ -343,10 +350,13 @@ absl::Status TrainSharded(std::unique_ptr<Task> task, const WorkerOptions& o) {
           << "step " << step
           << " asks for a checkpoint but --checkpoint-dir is not set";
     } else if (schedule.checkpoint()) {
+      const int64_t checkpoint_begin = StepTrace::Now();
       HSDP_RETURN_IF_ERROR(SaveRankCheckpoint(o.checkpoint_dir, step, rank,
                                               world, shards, *opt));
+      trace.Add("checkpoint", checkpoint_begin, StepTrace::Now());
       saved = true;
     }
+    trace.Add("step", fetch_begin, StepTrace::Now());
 
     // Measured where the device allows (fsdp/memory_meter.h).
     const int64_t peak_bytes = fsdp::MeasuredPeakBytes(stats);
@@ -368,7 +378,9 @@ absl::Status TrainSharded(std::unique_ptr<Task> task, const WorkerOptions& o) {
       c->set_reduce_scatter_seconds(stats.units[u].reduce_scatter_seconds +
                                     stats.units[u].all_reduce_seconds);
     }
+    trace.AttachTo(report, agent.clock_offset());
     HSDP_RETURN_IF_ERROR(agent.ReportStep(report, step == last_step));
+    report.clear_trace();
     finished_sent = step == last_step;
     last_report = report;
 

@@ -67,7 +67,8 @@ TEST(ScheduleStreamTest, TakesPushedStepsAndTimesOutBeyondThem) {
   ASSERT_TRUE(agent.Join().ok());
   auto stub = hsdp::v1::CoordinatorService::NewStub(grpc::CreateChannel(
       server->address(), grpc::InsecureChannelCredentials()));
-  ScheduleStream stream(stub.get(), kJob, 0, 0, ScheduleStream::Options());
+  ScheduleStream stream(stub.get(), kJob, agent.worker_id(), 0,
+                        agent.generation(), 0, ScheduleStream::Options());
   // Push-ahead 1: steps 0 and 1 before any report.
   for (int64_t step : {0, 1}) {
     auto taken = stream.Take(step, absl::Seconds(10));

@@ -106,7 +106,9 @@ constexpr int kBwd = static_cast<int>(Phase::kBackward);
 // Every collective is attributed to a unit.
 void ExpectAttributed(const Recorded& r) {
   for (const CollectiveEvent& e : r.events) {
-    if (e.is_collective()) EXPECT_GE(e.unit, 0) << r.text;
+    if (e.is_collective()) {
+      EXPECT_GE(e.unit, 0) << r.text;
+    }
   }
 }
 
