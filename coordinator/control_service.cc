@@ -218,24 +218,30 @@ grpc::Status ControlServiceImpl::StartTrace(
   });
 }
 
+absl::StatusOr<RenderedTrace> RenderTrace(const CoordinatorCore& core,
+                                          int64_t first_step,
+                                          int64_t last_step) {
+  if (core.traces == nullptr) {
+    return absl::UnimplementedError("this coordinator collects no traces");
+  }
+  // A step's ranks: the world size it was sealed for (0 until sealed).
+  auto expected = [&core](int64_t step) -> int {
+    absl::StatusOr<std::shared_ptr<const SealedSchedule>> sealed =
+        core.schedule_log->GetSealed(step);
+    if (!sealed.ok() || !(*sealed)->schedule.trace()) return 0;
+    return std::max(1, (*sealed)->schedule.world_size());
+  };
+  return core.traces->Render(first_step, last_step, expected);
+}
+
 grpc::Status ControlServiceImpl::GetTrace(
     grpc::ServerContext* context, const hsdp::v1::GetTraceRequest* request,
     hsdp::v1::GetTraceResponse* response) {
   return ServeTracked(core_.calls, [&]() -> absl::Status {
     HSDP_RETURN_IF_ERROR(Authenticate(*context));
-    if (core_.traces == nullptr) {
-      return absl::UnimplementedError("this coordinator collects no traces");
-    }
-    // A step's ranks: the world size it was sealed for (0 until sealed).
-    auto expected = [this](int64_t step) -> int {
-      absl::StatusOr<std::shared_ptr<const SealedSchedule>> sealed =
-          core_.schedule_log->GetSealed(step);
-      if (!sealed.ok() || !(*sealed)->schedule.trace()) return 0;
-      return std::max(1, (*sealed)->schedule.world_size());
-    };
-    HSDP_ASSIGN_OR_RETURN(RenderedTrace trace,
-                          core_.traces->Render(request->first_step(),
-                                               request->last_step(), expected));
+    HSDP_ASSIGN_OR_RETURN(
+        RenderedTrace trace,
+        RenderTrace(core_, request->first_step(), request->last_step()));
     response->set_complete(trace.complete);
     response->set_chrome_trace_json(std::move(trace.chrome_json));
     response->set_rank_steps_reported(trace.rank_steps_reported);

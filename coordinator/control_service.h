@@ -4,12 +4,14 @@
 #ifndef HSDP_COORDINATOR_CONTROL_SERVICE_H_
 #define HSDP_COORDINATOR_CONTROL_SERVICE_H_
 
+#include <cstdint>
 #include <string>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "coordinator/bearer_auth.h"
 #include "coordinator/coordinator_service.h"
+#include "coordinator/trace_collector.h"
 #include "hsdp/v1/control_service.grpc.pb.h"
 
 namespace hsdp::coordinator {
@@ -33,6 +35,13 @@ void FillPolicy(const CoordinatorCore& core,
 // unchanged.
 absl::StatusOr<PolicyInfo> ApplyPolicy(const CoordinatorCore& core,
                                        const hsdp::v1::Policy& policy);
+
+// Steps first..last of the collected traces as Chrome trace JSON, each step
+// expecting the ranks it was sealed for (GetTrace's body). UNIMPLEMENTED when
+// the coordinator collects no traces.
+absl::StatusOr<RenderedTrace> RenderTrace(const CoordinatorCore& core,
+                                          int64_t first_step,
+                                          int64_t last_step);
 
 // Thread-safe: all state lives in the (thread-safe) core components; the token
 // is immutable.

@@ -6,7 +6,9 @@
 #include <climits>
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -186,6 +188,41 @@ void Dashboard::Register(HttpServer& server) const {
                 [this](const HttpRequest& r) { return GetState(r); });
   server.Handle("POST", "/api/policy",
                 [this](const HttpRequest& r) { return PostPolicy(r); });
+  server.Handle("GET", "/api/trace",
+                [this](const HttpRequest& r) { return GetTrace(r); });
+}
+
+HttpResponse Dashboard::GetTrace(const HttpRequest& request) const {
+  if (core_.traces == nullptr) {
+    return ErrorResponse(
+        absl::UnimplementedError("this coordinator collects no traces"));
+  }
+  const std::string first_text = QueryParam(request.query, "first");
+  const std::string last_text = QueryParam(request.query, "last");
+  int64_t first = 0;
+  int64_t last = 0;
+  if (first_text.empty() && last_text.empty()) {
+    const std::optional<std::pair<int64_t, int64_t>> latest =
+        core_.traces->LatestRange(kDashboardTraceSteps);
+    if (!latest.has_value()) {
+      return ErrorResponse(absl::NotFoundError(
+          "no step has been traced yet: hsdpctl trace --steps A..B"));
+    }
+    std::tie(first, last) = *latest;
+  } else if (!absl::SimpleAtoi(first_text, &first) ||
+             !absl::SimpleAtoi(last_text, &last)) {
+    return ErrorResponse(absl::InvalidArgumentError(
+        absl::StrCat("first, last: '", first_text, "', '", last_text,
+                     "' are not both steps")));
+  }
+  absl::StatusOr<RenderedTrace> trace = RenderTrace(core_, first, last);
+  if (!trace.ok()) return ErrorResponse(trace.status());
+  HttpResponse response;
+  response.status = kStatusOk;
+  response.content_type = kJsonContentType;
+  response.body = std::move(trace->chrome_json);
+  response.headers.emplace_back("Cache-Control", "no-store");
+  return response;
 }
 
 HttpResponse Dashboard::GetState(const HttpRequest& request) const {

@@ -5,6 +5,12 @@
 //   GET  /api/state?since=STEP   status, workers, policy, units, steps > STEP
 //   POST /api/policy             body: a Policy (JSON, or text format), header
 //                                `Authorization: Bearer <control token>`
+//   GET  /api/trace[?first=A&last=B]
+//                                steps A..B of the collected traces (hsdpctl
+//                                trace) as Chrome trace JSON, the same file
+//                                `hsdpctl trace` writes; without a range the
+//                                newest traced steps (at most
+//                                kDashboardTraceSteps); 404 when none
 //
 // Reads are open, like /metrics on the same port. A policy change goes through
 // ApplyPolicy, the code path of ControlService.SetPolicy: validated, applied
@@ -13,6 +19,7 @@
 #ifndef HSDP_COORDINATOR_DASHBOARD_H_
 #define HSDP_COORDINATOR_DASHBOARD_H_
 
+#include <cstdint>
 #include <string>
 
 #include "absl/status/status.h"
@@ -33,6 +40,9 @@ std::string DashboardUrl(const std::string& listen, int port,
 // UNAVAILABLE 503, others 500).
 int HttpStatusFor(absl::StatusCode code);
 
+// Most steps the page's timeline shows when no range is asked for.
+inline constexpr int64_t kDashboardTraceSteps = 4;
+
 // Thread-safe: all state lives in the (thread-safe) core components; the token
 // is immutable.
 class Dashboard {
@@ -48,6 +58,7 @@ class Dashboard {
 
   HttpResponse GetState(const HttpRequest& request) const;
   HttpResponse PostPolicy(const HttpRequest& request) const;
+  HttpResponse GetTrace(const HttpRequest& request) const;
 
  private:
   const CoordinatorCore core_;

@@ -106,6 +106,21 @@ void TraceCollector::Record(const hsdp::v1::StepReport& report) {
   while (steps_.size() > kMaxTracedStepsKept) steps_.erase(steps_.begin());
 }
 
+std::optional<std::pair<int64_t, int64_t>> TraceCollector::LatestRange(
+    int64_t max_steps) const {
+  absl::MutexLock lock(&mu_);
+  if (steps_.empty() || max_steps < 1) return std::nullopt;
+  auto it = steps_.rbegin();
+  const int64_t last = it->first;
+  int64_t first = last;
+  for (++it; it != steps_.rend() && it->first == first - 1 &&
+             last - it->first < max_steps;
+       ++it) {
+    first = it->first;
+  }
+  return std::make_pair(first, last);
+}
+
 absl::StatusOr<RenderedTrace> TraceCollector::Render(
     int64_t first_step, int64_t last_step,
     const std::function<int(int64_t)>& expected_ranks) const {

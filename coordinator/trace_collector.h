@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -59,6 +60,11 @@ class TraceCollector {
   absl::StatusOr<RenderedTrace> Render(
       int64_t first_step, int64_t last_step,
       const std::function<int(int64_t)>& expected_ranks) const;
+
+  // The newest traced steps: the last run of consecutive steps with spans,
+  // at most `max_steps` long, ending at the newest; nullopt when none.
+  std::optional<std::pair<int64_t, int64_t>> LatestRange(
+      int64_t max_steps) const;
 
  private:
   struct RankSteps {

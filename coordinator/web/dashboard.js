@@ -1,5 +1,6 @@
 // The hsdp dashboard: polls GET /api/state once a second and renders it; the policy form posts
-// to /api/policy with the control token. No dependencies: plain DOM and SVG.
+// to /api/policy with the control token; the timeline polls GET /api/trace (the newest traced
+// steps, Chrome trace JSON as `hsdpctl trace` writes it). No dependencies: plain DOM and SVG.
 'use strict';
 
 const POLL_MS = 1000;
@@ -292,7 +293,131 @@ async function submitPolicy(event) {
   }
 }
 
+// ---- the timeline ----------------------------------------------------------------------------
+
+const TRACE_POLL_MS = 3000;
+const TIMELINE = {width: 1200, label: 150, right: 10, top: 22, rowHeight: 22, rowGap: 4};
+// Span colours by what the span is; the first matching prefix wins.
+const SPAN_KINDS = [
+  ['wait', '#bab0ac'], ['all-gather', '#59a14f'], ['reduce-scatter', '#f28e2b'],
+  ['all-reduce', '#e15759'], ['forward', '#4e79a7'], ['recompute', '#76b7b2'],
+  ['backward', '#9c755f'], ['optimizer', '#b07aa1'], ['schedule fetch', '#edc948'],
+  ['checkpoint', '#ff9da7'], ['step', '#e8e8e8'],
+];
+let shownTrace = '';
+
+function spanColour(name) {
+  for (const [prefix, colour] of SPAN_KINDS) {
+    if (name.startsWith(prefix)) return colour;
+  }
+  return '#cccccc';
+}
+
+// Rows (one per rank and thread that has spans) with each span's nesting depth.
+function timelineRows(trace) {
+  const processNames = new Map();
+  const threadNames = new Map();
+  const rows = new Map();
+  for (const e of trace.traceEvents || []) {
+    if (e.ph === 'M' && e.name === 'process_name') processNames.set(e.pid, e.args.name);
+    if (e.ph === 'M' && e.name === 'thread_name') threadNames.set(`${e.pid}/${e.tid}`, e.args.name);
+    if (e.ph !== 'X') continue;
+    const key = `${e.pid}/${e.tid}`;
+    if (!rows.has(key)) rows.set(key, {pid: e.pid, tid: e.tid, spans: []});
+    rows.get(key).spans.push(e);
+  }
+  const sorted = [...rows.values()].sort((a, b) => a.pid - b.pid || a.tid - b.tid);
+  for (const r of sorted) {
+    r.label = `${processNames.get(r.pid) || 'rank ' + r.pid} · ` +
+              `${threadNames.get(`${r.pid}/${r.tid}`) || r.tid}`;
+    r.spans.sort((a, b) => a.ts - b.ts || b.dur - a.dur);
+    const open = [];  // end times of the spans containing the current one
+    r.depth = 1;
+    for (const s of r.spans) {
+      while (open.length && open[open.length - 1] <= s.ts) open.pop();
+      s.depth = open.length;
+      open.push(s.ts + s.dur);
+      r.depth = Math.max(r.depth, open.length);
+    }
+  }
+  return sorted;
+}
+
+function renderTimeline(trace) {
+  const chart = $('timeline-chart');
+  const rows = timelineRows(trace);
+  let end = 0;
+  for (const r of rows) for (const s of r.spans) end = Math.max(end, s.ts + s.dur);
+  const T = TIMELINE;
+  const height = T.top + rows.length * (T.rowHeight + T.rowGap) + 4;
+  chart.setAttribute('viewBox', `0 0 ${T.width} ${height}`);
+  chart.replaceChildren();
+  const plot = T.width - T.label - T.right;
+  const x = (us) => T.label + (end > 0 ? us / end * plot : 0);
+  for (let i = 0; i <= 4; ++i) {
+    const us = end * i / 4;
+    chart.appendChild(svg('line', {x1: x(us), x2: x(us), y1: T.top - 4, y2: height,
+                                   class: 'grid'}));
+    chart.appendChild(svg('text', {x: x(us), y: T.top - 8, class: 'axis',
+                                   'text-anchor': i === 0 ? 'start' : i === 4 ? 'end' : 'middle'},
+                          (us / 1000).toFixed(1) + ' ms'));
+  }
+  let spans = 0;
+  rows.forEach((r, i) => {
+    const y = T.top + i * (T.rowHeight + T.rowGap);
+    chart.appendChild(svg('text', {x: 4, y: y + T.rowHeight * 0.7, class: 'axis'}, r.label));
+    const h = T.rowHeight / r.depth;
+    for (const s of r.spans) {
+      const rect = svg('rect', {x: x(s.ts), y: y + s.depth * h,
+                                width: Math.max(0.5, x(s.ts + s.dur) - x(s.ts)),
+                                height: Math.max(1, h - 1), fill: spanColour(s.name),
+                                class: 'span'});
+      const a = s.args || {};
+      rect.appendChild(svg('title', {}, `${s.name}${a.unit ? ' · ' + a.unit : ''}` +
+                                        ` · step ${a.step} · microbatch ${a.microbatch}` +
+                                        ` · ${(s.dur / 1000).toFixed(3)} ms`));
+      chart.appendChild(rect);
+      ++spans;
+    }
+  });
+  chart.dataset.rows = String(rows.length);
+  chart.dataset.ranks = String(new Set(rows.map((r) => r.pid)).size);
+  chart.dataset.spans = String(spans);
+  const legend = $('timeline-legend');
+  legend.replaceChildren();
+  for (const [name, colour] of SPAN_KINDS) {
+    const item = document.createElement('span');
+    item.className = 'legend-item';
+    item.style.setProperty('--swatch', colour);
+    item.textContent = name;
+    legend.appendChild(item);
+  }
+  const o = trace.otherData || {};
+  const error = num(o.max_clock_error_nanos) / 1000;
+  text($('timeline-range'),
+       `steps ${o.first_step}..${o.last_step}` + (o.complete ? '' : ' (not every rank yet)') +
+       ` · ${new Set(rows.map((r) => r.pid)).size} ranks aligned within ±${error.toFixed(0)} µs` +
+       ' · hover a span for its unit and duration');
+}
+
+async function pollTrace() {
+  try {
+    const response = await fetch('/api/trace', {cache: 'no-store'});
+    if (response.ok) {
+      const body = await response.text();
+      if (body !== shownTrace) {
+        shownTrace = body;
+        renderTimeline(JSON.parse(body));
+      }
+    }
+  } catch (e) {
+    // The state poll reports the connection; the timeline keeps what it shows.
+  }
+  setTimeout(pollTrace, TRACE_POLL_MS);
+}
+
 document.addEventListener('DOMContentLoaded', () => {
   $('policy-form').addEventListener('submit', submitPolicy);
   poll();
+  pollTrace();
 });

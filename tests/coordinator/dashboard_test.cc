@@ -350,6 +350,68 @@ std::unique_ptr<CoordinatorServer> StartOneRank(ServerOptions options) {
   return server.ok() ? *std::move(server) : nullptr;
 }
 
+TEST_F(DashboardTest, TheTimelineServesTheNewestTracedStepsAsHsdpctlWould) {
+  JoinAll();
+  HttpResult none = HttpRequestTo(port_, "GET", "/api/trace");
+  EXPECT_EQ(none.status, 404) << none.raw;
+  EXPECT_NE(none.body.find("hsdpctl trace"), std::string::npos) << none.body;
+
+  hsdp::v1::StartTraceRequest start;
+  start.set_first_step(0);
+  start.set_last_step(1);
+  hsdp::v1::StartTraceResponse started;
+  ASSERT_TRUE(control_
+                  ->StartTrace(Ctx(std::chrono::seconds(30), kToken).get(),
+                               start, &started)
+                  .ok());
+  for (int64_t step = 0; step <= 1; ++step) {
+    ASSERT_TRUE(Seal(step).trace());
+    for (int r = 0; r < kWorld; ++r) {
+      hsdp::v1::ReportStepRequest request;
+      request.set_job_id(kJob);
+      hsdp::v1::StepReport* report = request.mutable_report();
+      report->set_rank(r);
+      report->set_step(step);
+      hsdp::v1::TraceSpan* span = report->add_trace();
+      span->set_name("forward");
+      span->set_unit("layers.0");
+      span->set_track(hsdp::v1::TRACE_TRACK_COMPUTE);
+      span->set_begin_unix_nanos(1'000'000'000 + step * 1'000'000);
+      span->set_end_unix_nanos(1'000'500'000 + step * 1'000'000);
+      hsdp::v1::ReportStepResponse ignored;
+      ASSERT_TRUE(worker_->ReportStep(Ctx().get(), request, &ignored).ok());
+    }
+  }
+
+  HttpResult newest = HttpRequestTo(port_, "GET", "/api/trace");
+  ASSERT_EQ(newest.status, 200) << newest.raw;
+  EXPECT_EQ(newest.headers["content-type"], "application/json");
+  // The same document GetTrace (hsdpctl trace) returns for those steps.
+  hsdp::v1::GetTraceRequest request;
+  request.set_first_step(0);
+  request.set_last_step(1);
+  hsdp::v1::GetTraceResponse grpc_trace;
+  ASSERT_TRUE(control_
+                  ->GetTrace(Ctx(std::chrono::seconds(30), kToken).get(),
+                             request, &grpc_trace)
+                  .ok());
+  EXPECT_TRUE(grpc_trace.complete());
+  EXPECT_EQ(newest.body, grpc_trace.chrome_trace_json());
+
+  HttpResult one = HttpRequestTo(port_, "GET", "/api/trace?first=1&last=1");
+  ASSERT_EQ(one.status, 200) << one.raw;
+  EXPECT_NE(one.body.find("\"first_step\":1,\"last_step\":1"),
+            std::string::npos)
+      << one.body;
+
+  HttpResult bad = HttpRequestTo(port_, "GET", "/api/trace?first=x&last=1");
+  EXPECT_EQ(bad.status, 400) << bad.raw;
+  EXPECT_NE(bad.body.find("first, last"), std::string::npos) << bad.body;
+  HttpResult too_long =
+      HttpRequestTo(port_, "GET", "/api/trace?first=0&last=1000");
+  EXPECT_EQ(too_long.status, 400) << too_long.raw;
+}
+
 TEST(DashboardOffTest, NoMetricsAddressServesNoDashboard) {
   std::unique_ptr<CoordinatorServer> server = StartOneRank({});
   ASSERT_NE(server, nullptr);

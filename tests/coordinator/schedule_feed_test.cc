@@ -113,11 +113,14 @@ TEST_F(FeedTest, PushesSealedBytesInOrderAsTheSlowestRankAllows) {
   hsdp::v1::StepSchedule parsed;
   ASSERT_TRUE(parsed.ParseFromString(message.schedule()));
   EXPECT_EQ(parsed.step(), 2);
-  // Every pushed step was persisted before it was pushed.
+  // Every pushed step was persisted: the state directory (opened once the
+  // coordinator released its lock) holds the pushed bytes.
+  context->TryCancel();
+  stream.reset();
+  server_.reset();
   auto store = StateStore::Open(dir);
   ASSERT_TRUE(store.ok()) << store.status();
   EXPECT_EQ((*store)->SealedSteps().at({2, 0}), message.schedule());
-  context->TryCancel();
 }
 
 TEST_F(FeedTest, LateStreamCatchesUpAndDrainEndsIt) {

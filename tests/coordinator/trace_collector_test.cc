@@ -142,5 +142,20 @@ TEST(TraceCollectorTest, KeepsABoundedNumberOfSteps) {
           ->complete);
 }
 
+TEST(TraceCollectorTest, LatestRangeIsTheNewestRunOfConsecutiveSteps) {
+  TraceCollector traces;
+  EXPECT_FALSE(traces.LatestRange(4).has_value());
+  for (int64_t step : {3, 4, 10, 11, 12, 13, 14, 15}) {
+    hsdp::v1::StepReport r = Report(0, step, 0, 1);
+    AddSpan(r, "step", "", hsdp::v1::TRACE_TRACK_COMPUTE, 0, 1);
+    traces.Record(r);
+  }
+  using Range = std::pair<int64_t, int64_t>;
+  EXPECT_EQ(traces.LatestRange(4), Range(12, 15));    // capped
+  EXPECT_EQ(traces.LatestRange(100), Range(10, 15));  // stops at the gap
+  EXPECT_EQ(traces.LatestRange(1), Range(15, 15));
+  EXPECT_FALSE(traces.LatestRange(0).has_value());
+}
+
 }  // namespace
 }  // namespace hsdp::coordinator

@@ -8,7 +8,9 @@
 //   4. with the control token the change is accepted; the page names the step it applies from,
 //      `hsdpctl policy get` shows it, the sealed schedule of that step carries it
 //      (`hsdpctl schedule --step N`) while the step before keeps the old policy, and the page
-//      shows the new version and the units' new reshard flags.
+//      shows the new version and the units' new reshard flags;
+//   5. steps traced with `hsdpctl trace` appear on the page's timeline: every rank, the same
+//      spans as the trace file hsdpctl wrote.
 // Screenshots of each stage go to --artifacts.
 //
 //   node dashboard_browser_test.cjs --url URL --chromium PATH --hsdpctl PATH
@@ -180,14 +182,18 @@ async function main() {
                 () => Number(hsdpctl('status').sealed_step) >= step);
     const sealed = hsdpctl('schedule', '--step', String(step)).schedule;
     assert.equal(Number(sealed.policy_version), 2);
+    // The root is never resharded after forward (backward needs it at once), whatever the
+    // policy; every other unit follows it.
+    const blocks = (units) => units.filter((u) => u.unit_name !== 'root');
     for (const u of sealed.units) {
-      assert.equal(u.reshard_after_forward, !u.unit_name.startsWith('layers.'),
+      assert.equal(u.reshard_after_forward,
+                   u.unit_name !== 'root' && !u.unit_name.startsWith('layers.'),
                    `step ${step} unit ${u.unit_name}`);
     }
     if (step > 0) {
       const previous = hsdpctl('schedule', '--step', String(step - 1)).schedule;
       assert.equal(Number(previous.policy_version), 1);
-      assert.ok(previous.units.every((u) => u.reshard_after_forward),
+      assert.ok(blocks(previous.units).every((u) => u.reshard_after_forward),
                 `step ${step - 1} changed`);
     }
     log(`hsdpctl schedule: step ${step} sealed with version 2 (layers.* keep their ` +
@@ -205,6 +211,38 @@ async function main() {
         step));
     log('page: policy version 2, layers.* reshard fwd/bwd "no / yes"');
     await screenshot(page, 'dashboard-policy-changed.png');
+
+    // 5: steps traced with `hsdpctl trace` show on the page's timeline, every rank of them.
+    const traceFile = path.join(args.artifacts, 'trace.json');
+    let summary = null;
+    for (let attempt = 0; summary === null; ++attempt) {
+      // A few steps ahead of the sealed one; the job may seal past them before the request
+      // lands (FAILED_PRECONDITION), then ask again further ahead.
+      const first = Number(hsdpctl('status').sealed_step) + 3;
+      try {
+        summary = hsdpctl('trace', '--steps', `${first}..${first + 1}`, '-o', traceFile,
+                          '--wait', '60');
+      } catch (e) {
+        if (attempt >= 4) throw e;
+      }
+    }
+    assert.equal(summary.complete, true, JSON.stringify(summary));
+    const traced = JSON.parse(fs.readFileSync(traceFile, 'utf8'));
+    const tracedSpans = traced.traceEvents.filter((e) => e.ph === 'X').length;
+    assert.ok(tracedSpans > 0, 'the trace has no spans');
+    await page.waitForFunction(
+        (n, spans) => {
+          const chart = document.querySelector('#timeline-chart');
+          return Number(chart.dataset.ranks || 0) === n && Number(chart.dataset.spans) === spans;
+        },
+        {timeout: WAIT_MS}, WORKERS, tracedSpans);
+    const range = await page.$eval('#timeline-range', (el) => el.textContent);
+    assert.match(range, new RegExp(`^steps ${traced.otherData.first_step}\\.\\.` +
+                                   `${traced.otherData.last_step} · ${WORKERS} ranks`));
+    log(`page timeline: ${range}; ${tracedSpans} spans, as in hsdpctl's trace.json`);
+    const timeline = await page.$('#timeline');
+    await timeline.screenshot({path: path.join(args.artifacts, 'dashboard-timeline.png')});
+    log(`screenshot ${path.join(args.artifacts, 'dashboard-timeline.png')}`);
 
     assert.deepEqual(foreign, [], 'the page requested other origins');
     assert.deepEqual(pageErrors, [], 'the page threw');

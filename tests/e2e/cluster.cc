@@ -7,6 +7,7 @@
 #include <torch/serialize/input-archive.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -211,8 +212,19 @@ Proc Cluster::StartWorker(int rank, const std::vector<std::string>& extra,
                                    "60",
                                    "--coordinator-timeout",
                                    "60"};
-  args.insert(args.end(), extra.begin(), extra.end());
-  return Spawn(args, absl::StrCat(dir_, "/worker-", rank, ".log"));
+  // CLI11 refuses a repeated option: a default that `extra` names again is
+  // dropped (with its value), and an extra --model drops the GPT's --dims too.
+  const bool own_model =
+      std::find(extra.begin(), extra.end(), "--model") != extra.end();
+  std::vector<std::string> merged = {args[0]};
+  for (size_t i = 1; i + 1 < args.size(); i += 2) {
+    const bool overridden =
+        std::find(extra.begin(), extra.end(), args[i]) != extra.end() ||
+        (own_model && args[i] == "--dims");
+    if (!overridden) merged.insert(merged.end(), {args[i], args[i + 1]});
+  }
+  merged.insert(merged.end(), extra.begin(), extra.end());
+  return Spawn(merged, absl::StrCat(dir_, "/worker-", rank, ".log"));
 }
 
 void Cluster::StartWorkers(int n, const std::vector<std::string>& extra,
