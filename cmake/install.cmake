@@ -95,6 +95,9 @@ set(_hsdp_binaries hsdp-coordinator hsdpctl)
 if(HSDP_BUILD_WORKER)
   list(APPEND _hsdp_binaries hsdp-worker hsdp-launch)
 endif()
+# Shared libraries linked from outside the system's directories (e.g. NCCL under /usr/local/cuda)
+# stay findable from the installed binaries.
+set_target_properties(${_hsdp_binaries} PROPERTIES INSTALL_RPATH_USE_LINK_PATH ON)
 install(TARGETS ${_hsdp_binaries} RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
 
 # --- headers -------------------------------------------------------------------------------------

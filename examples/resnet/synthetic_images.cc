@@ -2,12 +2,18 @@
 
 #include <ATen/ops/empty.h>
 
+#include <utility>
+
 namespace resnet {
 namespace {
 
 // How strongly noise hides the pattern (noise and pattern are uniform in
 // [-1, 1]).
-constexpr float kNoiseScale = 1.5f;
+constexpr float kNoiseScale = 1.0f;
+// A class's pattern is a random kTile x kTile texture tiled over the image at
+// a per-sample offset: local and translation invariant, what convolutions and
+// global pooling pick up.
+constexpr int64_t kTile = 3;
 // Stream of the class patterns (a sample's streams come from its own hash).
 constexpr uint64_t kPatternStream = 0x5eed5eed5eedULL;
 
@@ -41,7 +47,7 @@ SyntheticImages::SyntheticImages(int64_t channels, int64_t size,
                                  int64_t classes)
     : channels_(channels), size_(size), classes_(classes) {
   Stream stream(Mix(kPatternStream));
-  patterns_.resize(static_cast<size_t>(classes * channels * size * size));
+  patterns_.resize(static_cast<size_t>(classes * channels * kTile * kTile));
   for (float& v : patterns_) v = stream.Symmetric();
 }
 
@@ -59,9 +65,18 @@ ImageBatch SyntheticImages::Slice(uint64_t seed, int64_t step, int64_t first,
         static_cast<int64_t>(h % static_cast<uint64_t>(classes_));
     lab[i] = label;
     Stream noise(h);
-    const float* pattern = patterns_.data() + label * pixels;
-    for (int64_t p = 0; p < pixels; ++p) {
-      img[i * pixels + p] = pattern[p] + kNoiseScale * noise.Symmetric();
+    const int64_t dy = static_cast<int64_t>(noise.Next() % kTile);
+    const int64_t dx = static_cast<int64_t>(noise.Next() % kTile);
+    const float* tile = patterns_.data() + label * channels_ * kTile * kTile;
+    float* out = img + i * pixels;
+    for (int64_t c = 0; c < channels_; ++c) {
+      for (int64_t y = 0; y < size_; ++y) {
+        for (int64_t x = 0; x < size_; ++x) {
+          const float pattern =
+              tile[(c * kTile + (y + dy) % kTile) * kTile + (x + dx) % kTile];
+          *out++ = pattern + kNoiseScale * noise.Symmetric();
+        }
+      }
     }
   }
   return ImageBatch{std::move(images), std::move(labels)};

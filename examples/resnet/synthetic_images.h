@@ -1,5 +1,6 @@
 // A synthetic, deterministic image classification set: class k has a fixed
-// random pattern; a sample is its class's pattern plus noise. Sample `index`
+// random texture (a small tile repeated over the image); a sample is its
+// class's texture at a random offset plus noise. Sample `index`
 // of step `step`'s global batch is a pure function of (seed, step, index), so
 // every mesh and the single-process reference train on the same global batch
 // however it is split between ranks and microbatches.
@@ -34,7 +35,7 @@ class SyntheticImages {
 
  private:
   int64_t channels_, size_, classes_;
-  // classes x channels x size x size.
+  // classes x channels x tile x tile.
   std::vector<float> patterns_;
 };
 

@@ -25,7 +25,7 @@ using hsdp::train::ReferenceOptions;
 using hsdp::train::TaskArgs;
 using hsdp::train::TrainingOptions;
 
-constexpr int kSteps = 6;
+constexpr int kSteps = 8;
 constexpr char kJob[] = "resnet-test";
 
 std::unique_ptr<hsdp::train::Task> MakeTask() {
