@@ -10,8 +10,7 @@
 // workers' report files, forwards Ctrl-C / SIGTERM to every child and cleans
 // up, and exits non-zero naming the first worker that failed and why (the last
 // line of its log). Everything a run writes (logs, reports, coordinator state)
-// lands in
-// --run-dir; the coordinator's dashboard URL is printed and written to
+// lands in --run-dir; the coordinator's dashboard URL is printed and written to
 // RUN_DIR/dashboard.url.
 //
 // Single-threaded: the main loop polls children and report files; signal
