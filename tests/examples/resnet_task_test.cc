@@ -3,6 +3,8 @@
 // its losses match its own single-process reference.
 #include "resnet_task.h"
 
+#include <unistd.h>
+
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -49,8 +51,10 @@ TrainingOptions Training() {
   return t;
 }
 
+// Per process: several builds may run this test at once.
 std::string FreshFile(const std::string& name) {
-  const std::string path = ::testing::TempDir() + "/" + name;
+  const std::string path =
+      absl::StrCat(::testing::TempDir(), "/", getpid(), "-", name);
   std::remove(path.c_str());
   return path;
 }
