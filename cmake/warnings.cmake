@@ -57,7 +57,9 @@ function(_hsdp_apply_warnings_in dir)
     if(t IN_LIST HSDP_WARNINGS_EXEMPT)
       continue()
     endif()
-    target_link_libraries(${t} PRIVATE hsdp_warnings)
+    # BUILD_INTERFACE: a static library's private links are part of its exported link interface
+    # (cmake/install.cmake), and the flags are for our build only.
+    target_link_libraries(${t} PRIVATE $<BUILD_INTERFACE:hsdp_warnings>)
   endforeach()
   get_property(subdirs DIRECTORY "${dir}" PROPERTY SUBDIRECTORIES)
   foreach(sub IN LISTS subdirs)

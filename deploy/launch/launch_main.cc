@@ -2,13 +2,15 @@
 //
 //   hsdp-launch --workers 4 --mesh 2x2 --model gpt-tiny --steps 200 [-- extra
 //   hsdp-worker flags]
+//   hsdp-launch --workers 4 --mesh 2x2 --worker-binary ./my-worker --steps 200
 //
 // Starts hsdp-coordinator and N hsdp-worker processes (found next to this
-// binary), shows one live progress line read from the workers' report files,
-// forwards Ctrl-C / SIGTERM to every child and cleans up, and exits non-zero
-// naming the first worker that failed and why (the last line of its log).
-// Everything a run writes (logs, reports, coordinator state) lands in
-// --run-dir; the coordinator's dashboard URL is printed and written to
+// binary; --worker-binary runs a user's worker, one built on
+// hsdp::train::WorkerMain, instead), shows one live progress line read from the
+// workers' report files, forwards Ctrl-C / SIGTERM to every child and cleans
+// up, and exits non-zero naming the first worker that failed and why (the last
+// line of its log). Everything a run writes (logs, reports, coordinator state)
+// lands in --run-dir; the coordinator's dashboard URL is printed and written to
 // RUN_DIR/dashboard.url.
 //
 // Single-threaded: the main loop polls children and report files; signal
@@ -132,6 +134,32 @@ std::optional<double> JsonNumber(const std::string& line,
   return v;
 }
 
+// --worker-binary: an absolute path to an executable regular file, or a
+// one-line INVALID_ARGUMENT naming the flag. Made absolute because the workers
+// are started with execv (no PATH search).
+absl::StatusOr<std::string> ResolveWorkerBinary(const std::string& path) {
+  std::error_code ec;
+  const fs::path abs = fs::absolute(path, ec);
+  if (ec) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--worker-binary ", path, ": ", ec.message()));
+  }
+  const fs::file_status st = fs::status(abs, ec);
+  if (ec || !fs::exists(st)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--worker-binary ", path, ": no such file"));
+  }
+  if (!fs::is_regular_file(st)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--worker-binary ", path, ": not a regular file"));
+  }
+  if (access(abs.c_str(), X_OK) != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--worker-binary ", path, ": not executable"));
+  }
+  return abs.lexically_normal().string();
+}
+
 std::string BinDir() {
   std::error_code ec;
   fs::path self = fs::read_symlink("/proc/self/exe", ec);
@@ -192,7 +220,8 @@ class Cluster {
 struct Options {
   int workers = 0;
   std::string mesh;
-  std::string model = "gpt-tiny";
+  // Empty: the worker's default model (hsdp-worker: gpt-tiny); not passed on.
+  std::string model;
   int64_t steps = 100;
   std::string policy_file;
   int port = 0;
@@ -202,6 +231,8 @@ struct Options {
   std::string job_id = "local";
   std::string run_dir;
   std::string bin_dir;
+  // Empty: hsdp-worker next to the coordinator.
+  std::string worker_binary;
   std::vector<std::string> worker_args;
 };
 
@@ -274,7 +305,15 @@ int Run(const Options& o) {
   }
   const std::string bin = o.bin_dir.empty() ? BinDir() : o.bin_dir;
   const std::string coordinator_bin = bin + "/hsdp-coordinator";
-  const std::string worker_bin = bin + "/hsdp-worker";
+  std::string worker_bin = bin + "/hsdp-worker";
+  if (!o.worker_binary.empty()) {
+    absl::StatusOr<std::string> user_bin = ResolveWorkerBinary(o.worker_binary);
+    if (!user_bin.ok()) {
+      std::cerr << "hsdp-launch: " << user_bin.status().message() << std::endl;
+      return kExitUsage;
+    }
+    worker_bin = *user_bin;
+  }
   for (const std::string& b : {coordinator_bin, worker_bin}) {
     if (access(b.c_str(), X_OK) != 0) {
       std::cerr << "hsdp-launch: " << b
@@ -365,8 +404,10 @@ int Run(const Options& o) {
   }
   std::cerr << "hsdp-launch: coordinator on 127.0.0.1:" << *port << ", "
             << o.workers << " workers, mesh " << hsdp::MeshToString(*mesh)
-            << ", model " << o.model << ", " << o.steps << " steps"
-            << std::endl;
+            << ", worker " << worker_bin
+            << (o.model.empty() ? std::string()
+                                : absl::StrCat(", model ", o.model))
+            << ", " << o.steps << " steps" << std::endl;
   if (o.metrics_port >= 0) {
     std::cerr << "hsdp-launch: dashboard " << FirstLine(dashboard_file)
               << std::endl;
@@ -384,14 +425,16 @@ int Run(const Options& o) {
                                       o.job_id,
                                       "--rank-hint",
                                       std::to_string(r),
-                                      "--model",
-                                      o.model,
                                       "--steps",
                                       std::to_string(o.steps),
                                       "--gloo-hostname",
                                       "127.0.0.1",
                                       "--report-file",
                                       report};
+    if (!o.model.empty()) {
+      wargs.push_back("--model");
+      wargs.push_back(o.model);
+    }
     // Checkpoints (policy interval or `hsdpctl checkpoint`) land in the run dir
     // unless the user chose a place; relaunching on the same --run-dir resumes
     // from them.
@@ -477,7 +520,9 @@ int main(int argc, char** argv) {
   app.add_option("--workers", o.workers, "number of worker processes")
       ->required();
   app.add_option("--mesh", o.mesh, "RxS (default 1xWORKERS)");
-  app.add_option("--model", o.model, "model name");
+  app.add_option(
+      "--model", o.model,
+      "model name (default: the worker's, gpt-tiny for hsdp-worker)");
   app.add_option("--steps", o.steps, "training steps");
   app.add_option("--policy-file", o.policy_file,
                  "initial policy for the coordinator");
@@ -492,6 +537,9 @@ int main(int argc, char** argv) {
                  "logs, reports and coordinator state (default: a temp dir)");
   app.add_option("--bin-dir", o.bin_dir,
                  "where hsdp-coordinator and hsdp-worker are");
+  app.add_option("--worker-binary", o.worker_binary,
+                 "the workers' executable: a user's worker built on "
+                 "hsdp::train::WorkerMain (default: hsdp-worker in --bin-dir)");
   // Flags hsdp-launch does not know go to every worker as well (e.g.
   // --microbatch-size 8).
   app.allow_extras(true);

@@ -221,6 +221,16 @@ TEST(E2eBadUseTest, UnknownModel) {
                      "unknown model 'gpt-enormous'", "model");
 }
 
+TEST(E2eBadUseTest, WorkerBinaryNotAnExecutable) {
+  ExpectOneLineError({Bin("hsdp-launch"), "--workers", "2", "--worker-binary",
+                      "/nonexistent/my-worker"},
+                     "--worker-binary /nonexistent/my-worker: no such file",
+                     "launch-worker-binary-missing");
+  ExpectOneLineError(
+      {Bin("hsdp-launch"), "--workers", "2", "--worker-binary", "/tmp"},
+      "--worker-binary /tmp: not a regular file", "launch-worker-binary-dir");
+}
+
 TEST(E2eBadUseTest, MeshNotMatchingWorld) {
   ExpectOneLineError({Bin("hsdp-launch"), "--workers", "4", "--mesh", "3x2"},
                      "3x2", "launch-mesh");

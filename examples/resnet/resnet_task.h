@@ -1,0 +1,58 @@
+// The ResNet (resnet.h) on synthetic images (synthetic_images.h) as an hsdp
+// Task: the stem and the head are the root unit, each residual block is a unit
+// ("blocks.0", "blocks.1", ...), and block i is constructed only in
+// BuildUnit(i), so a rank holds one block's full parameters at a time.
+//
+// --model resnet (or empty). Settings, as --task-option KEY=VALUE (every rank
+// must pass the same): channels (8), blocks (3), image_size (8), classes (4),
+// groups (2, GroupNorm groups; must divide channels). --data and --dims are
+// refused: the data is synthetic and the shape comes from the options.
+#ifndef HSDP_EXAMPLES_RESNET_RESNET_TASK_H_
+#define HSDP_EXAMPLES_RESNET_RESNET_TASK_H_
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "resnet.h"
+#include "synthetic_images.h"
+#include "worker/train/task.h"
+
+namespace resnet {
+
+inline constexpr char kModelName[] = "resnet";
+
+// Thread-compatible (see hsdp::train::Task).
+class ResNetTask : public hsdp::train::Task {
+ public:
+  // INVALID_ARGUMENT naming the flag or option on bad arguments.
+  static absl::StatusOr<std::unique_ptr<ResNetTask>> Create(
+      const hsdp::train::TaskArgs& args);
+
+  std::string Name() const override { return kModelName; }
+  absl::Status Build(const hsdp::train::BuildContext& context) override;
+  std::shared_ptr<torch::nn::Module> Model() override { return model_.ptr(); }
+  int NumUnits() const override { return static_cast<int>(config_.blocks); }
+  absl::StatusOr<hsdp::train::UnitSpec> BuildUnit(int index) override;
+  void ReleaseUnit(int index) override;
+  void Shard(hsdp::train::ShardContext& context) override;
+  absl::StatusOr<hsdp::train::Batch> GetBatch(
+      const hsdp::train::BatchRequest& request) override;
+  absl::StatusOr<at::Tensor> Loss(const hsdp::train::Batch& batch) override;
+
+  const ResNetConfig& config() const { return config_; }
+
+ private:
+  explicit ResNetTask(const ResNetConfig& config)
+      : config_(config),
+        data_(config.in_channels, config.image_size, config.classes) {}
+
+  ResNetConfig config_;
+  SyntheticImages data_;
+  ResNet model_{nullptr};
+  hsdp::train::ShardContext* units_ = nullptr;
+};
+
+}  // namespace resnet
+
+#endif  // HSDP_EXAMPLES_RESNET_RESNET_TASK_H_

@@ -1,0 +1,170 @@
+// The example ResNet task: its settings are checked and named, it trains, and
+// sharded on a 2x2 mesh (four RunTask threads under an in-process coordinator)
+// its losses match its own single-process reference.
+#include "resnet_task.h"
+
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "coordinator/server.h"
+#include "gtest/gtest.h"
+#include "worker/train/runner.h"
+
+namespace resnet {
+namespace {
+
+using hsdp::train::ReferenceOptions;
+using hsdp::train::TaskArgs;
+using hsdp::train::TrainingOptions;
+
+constexpr int kSteps = 8;
+constexpr char kJob[] = "resnet-test";
+
+std::unique_ptr<hsdp::train::Task> MakeTask() {
+  TaskArgs args;
+  args.model = kModelName;
+  args.options = {{"channels", "8"}, {"blocks", "3"}, {"image_size", "6"}};
+  absl::StatusOr<std::unique_ptr<ResNetTask>> task = ResNetTask::Create(args);
+  EXPECT_TRUE(task.ok()) << task.status();
+  return task.ok() ? std::move(*task) : nullptr;
+}
+
+// Plain SGD: unlike AdamW its update is proportional to the gradient, so a
+// wrong gradient scale (a sum where a mean belongs) changes the losses.
+TrainingOptions Training() {
+  TrainingOptions t;
+  t.steps = kSteps;
+  t.microbatch_size = 2;
+  t.seed = 7;
+  t.optimizer.kind = hsdp::train::OptimizerKind::kSgd;
+  t.optimizer.lr = 0.1;
+  return t;
+}
+
+// Per process: several builds may run this test at once.
+std::string FreshFile(const std::string& name) {
+  const std::string path =
+      absl::StrCat(::testing::TempDir(), "/", getpid(), "-", name);
+  std::remove(path.c_str());
+  return path;
+}
+
+std::vector<double> Losses(const std::string& path) {
+  std::ifstream in(path);
+  std::vector<double> out;
+  std::string line;
+  while (std::getline(in, line)) {
+    const size_t at = line.find("\"loss\":");
+    if (at == std::string::npos) continue;
+    const size_t begin = at + 7;
+    double v = 0;
+    EXPECT_TRUE(absl::SimpleAtod(
+        line.substr(begin, line.find_first_of(",}", begin) - begin), &v))
+        << line;
+    out.push_back(v);
+  }
+  return out;
+}
+
+TEST(ResNetTaskTest, BadSettingsAreRefusedNamingThem) {
+  struct Case {
+    TaskArgs args;
+    std::string needle;
+  };
+  std::vector<Case> cases(6);
+  cases[0].args.model = "gpt-tiny";
+  cases[0].needle = "--model gpt-tiny";
+  cases[1].args.data = "corpus.txt";
+  cases[1].needle = "--data corpus.txt";
+  cases[2].args.dims = "8,3";
+  cases[2].needle = "--dims";
+  cases[3].args.options = {{"depth", "3"}};
+  cases[3].needle = "--task-option depth";
+  cases[4].args.options = {{"channels", "-8"}};
+  cases[4].needle = "--task-option channels=-8";
+  cases[5].args.options = {{"channels", "6"}, {"groups", "4"}};
+  cases[5].needle = "--task-option groups=4";
+  for (const Case& c : cases) {
+    absl::StatusOr<std::unique_ptr<ResNetTask>> task =
+        ResNetTask::Create(c.args);
+    ASSERT_FALSE(task.ok()) << c.needle;
+    EXPECT_EQ(task.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(task.status().message().find(c.needle), std::string::npos)
+        << task.status();
+  }
+}
+
+TEST(ResNetTaskTest, ShardedTwoByTwoMatchesSingleProcessReference) {
+  unsetenv("HSDP_JOB_TOKEN");
+  unsetenv("HSDP_JOB_TOKEN_FILE");
+  constexpr int kWorld = 4;
+  hsdp::coordinator::JobConfig job;
+  job.job_id = kJob;
+  job.world_size = kWorld;
+  job.mesh = hsdp::MeshShape{2, 2};
+  hsdp::coordinator::ServerOptions server_options;
+  server_options.listen = "127.0.0.1:0";
+  server_options.sync_state = false;
+  auto server =
+      hsdp::coordinator::CoordinatorServer::Start(job, server_options);
+  ASSERT_TRUE(server.ok()) << server.status();
+
+  std::vector<std::string> reports;
+  std::vector<absl::Status> results(kWorld);
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < kWorld; ++r) {
+    reports.push_back(FreshFile(absl::StrCat("resnet-rank-", r, ".jsonl")));
+    hsdp::train::WorkerOptions w;
+    w.training = Training();
+    w.process.report_file = reports.back();
+    w.task_args.model = kModelName;
+    w.task_args.options = {
+        {"channels", "8"}, {"blocks", "3"}, {"image_size", "6"}};
+    w.coordinator = (*server)->address();
+    w.job_id = kJob;
+    w.rank_hint = r;
+    w.gloo_hostname = "127.0.0.1";
+    // One process: the ranks are threads, which shared memory does not need.
+    w.shared_memory = false;
+    w.collective_timeout = absl::Seconds(30);
+    w.coordinator_timeout = absl::Seconds(30);
+    ranks.emplace_back(
+        [w, r, &results] { results[r] = hsdp::train::RunTask(MakeTask(), w); });
+  }
+  for (std::thread& t : ranks) t.join();
+  (*server)->Shutdown();
+  for (int r = 0; r < kWorld; ++r) {
+    ASSERT_TRUE(results[r].ok()) << "rank " << r << ": " << results[r];
+  }
+
+  ReferenceOptions ref;
+  ref.training = Training();
+  ref.world_size = kWorld;
+  ref.microbatches = 1;
+  ref.process.report_file = FreshFile("resnet-reference.jsonl");
+  ASSERT_TRUE(hsdp::train::RunReference(MakeTask(), ref).ok());
+  const std::vector<double> expected = Losses(ref.process.report_file);
+  ASSERT_EQ(expected.size(), static_cast<size_t>(kSteps));
+  EXPECT_LT(expected.back(), expected.front());  // it learns
+
+  for (int r = 0; r < kWorld; ++r) {
+    const std::vector<double> got = Losses(reports[r]);
+    ASSERT_EQ(got.size(), static_cast<size_t>(kSteps)) << "rank " << r;
+    for (int s = 0; s < kSteps; ++s) {
+      EXPECT_NEAR(got[s], expected[s], 1e-5) << "rank " << r << " step " << s;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace resnet
