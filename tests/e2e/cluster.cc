@@ -7,6 +7,7 @@
 #include <torch/serialize/input-archive.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -211,6 +212,12 @@ Proc Cluster::StartWorker(int rank, const std::vector<std::string>& extra,
                                    "60",
                                    "--coordinator-timeout",
                                    "60"};
+  // CLI11 refuses a repeated --model: extra flags naming their own model
+  // replace the default gpt-tiny with kDims.
+  if (std::find(extra.begin(), extra.end(), "--model") != extra.end()) {
+    auto model = std::find(args.begin(), args.end(), "--model");
+    args.erase(model, model + 4);  // --model gpt-tiny --dims kDims
+  }
   args.insert(args.end(), extra.begin(), extra.end());
   return Spawn(args, absl::StrCat(dir_, "/worker-", rank, ".log"));
 }

@@ -75,7 +75,8 @@ class Cluster {
   // Starts the coordinator (port 0 picks one; a restart passes the old port).
   void StartCoordinator(int world, const std::string& mesh, int port = 0,
                         const std::string& policy_file = "");
-  // Starts n gpt-tiny workers with kDims (flags in `extra` come last and win).
+  // Starts n gpt-tiny workers with kDims (flags in `extra` come last; an
+  // extra --model replaces gpt-tiny and kDims).
   void StartWorkers(int n, const std::vector<std::string>& extra = {},
                     int64_t steps = kSteps);
   // Starts one worker of rank hint `rank` with exactly these extra flags.

@@ -158,8 +158,9 @@ TEST(TorchScriptE2eTest, TwoByTwoMatchesSingleProcessAndExportsToPython) {
   // ...and they are trained: they differ from the saved initial values.
   torch::jit::Module initial = torch::jit::load(ModelPath());
   for (const auto& p : initial.named_parameters()) {
-    if (p.name == "layers.0.qkv.weight")
+    if (p.name == "layers.0.qkv.weight") {
       EXPECT_FALSE(at::equal(p.value, final_params[p.name]));
+    }
   }
 }
 

@@ -62,7 +62,7 @@ absl::StatusOr<int> ContentVersion(const std::string& path) {
 absl::Status CheckMethod(const torch::jit::Module& module,
                          const std::string& where, const std::string& method,
                          int tensor_args, const std::string& want) {
-  std::optional<torch::jit::Method> m = module.find_method(method);
+  c10::optional<torch::jit::Method> m = module.find_method(method);
   if (!m.has_value()) {
     return absl::InvalidArgumentError(absl::StrCat(
         where, " has no method ", want, " (", kConventionDoc,
