@@ -66,10 +66,9 @@ const std::string& ModelDir() {
 
 std::string ModelPath() { return ModelDir() + "/gpt.pt"; }
 
-// Worker flags selecting the scripted model (the harness's --dims cleared).
+// Worker flags selecting the scripted model.
 std::vector<std::string> ScriptedFlags(std::vector<std::string> more = {}) {
   std::vector<std::string> flags = {"--model", "torchscript:" + ModelPath(),
-                                    "--dims",  "",
                                     "--units", "layers.*"};
   flags.insert(flags.end(), more.begin(), more.end());
   return flags;
