@@ -14,6 +14,7 @@
 #include <fstream>
 #include <map>
 #include <string>
+#include <system_error>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -40,28 +41,38 @@ int Python(const std::vector<std::string>& args, const std::string& log) {
   return Wait(Spawn(argv, log), std::chrono::seconds(120));
 }
 
-// The scripted GPT and the test's bad models, made once per binary.
-const std::string& ModelDir() {
-  static const std::string* dir = [] {
-    auto* d = new std::string(
-        (fs::temp_directory_path() / absl::StrCat("hsdp-ts-e2e-", ::getpid()))
-            .string());
-    fs::create_directories(*d);
+// The scripted GPT and the test's bad models, made once per binary in a
+// directory removed when it exits.
+struct ScriptedModels {
+  ScriptedModels()
+      : dir((fs::temp_directory_path() /
+             absl::StrCat("hsdp-ts-e2e-", ::getpid()))
+                .string()) {
+    fs::create_directories(dir);
     std::vector<std::string> args = {
         absl::StrCat(HSDP_SOURCE_DIR, "/examples/torchscript/gpt.py"),
-        *d + "/gpt.pt"};
+        dir + "/gpt.pt"};
     args.insert(args.end(), kGptFlags.begin(), kGptFlags.end());
-    EXPECT_EQ(Python(args, *d + "/gpt.log"), 0) << ReadFile(*d + "/gpt.log");
-    EXPECT_EQ(
-        Python({absl::StrCat(HSDP_SOURCE_DIR,
-                             "/tests/worker/models/make_scripted_models.py"),
-                *d + "/bad"},
-               *d + "/bad.log"),
-        0)
-        << ReadFile(*d + "/bad.log");
-    return d;
-  }();
-  return *dir;
+    EXPECT_EQ(Python(args, dir + "/gpt.log"), 0) << ReadFile(dir + "/gpt.log");
+    EXPECT_EQ(Python({absl::StrCat(HSDP_SOURCE_DIR, "/tests/worker/models/",
+                                   "make_scripted_models.py"),
+                      dir + "/bad"},
+                     dir + "/bad.log"),
+              0)
+        << ReadFile(dir + "/bad.log");
+  }
+  ~ScriptedModels() {
+    std::error_code ec;
+    fs::remove_all(dir, ec);
+  }
+  ScriptedModels(const ScriptedModels&) = delete;
+  ScriptedModels& operator=(const ScriptedModels&) = delete;
+  const std::string dir;
+};
+
+const std::string& ModelDir() {
+  static const ScriptedModels models;
+  return models.dir;
 }
 
 std::string ModelPath() { return ModelDir() + "/gpt.pt"; }

@@ -7,6 +7,7 @@ gpt.pt            examples/torchscript/gpt.py's GPT, small dims
 no_head_loss.pt   no head_loss method
 bad_signature.pt  head_loss(self, x: Tensor, targets: int)
 bad_unit.pt       a unit whose forward takes two tensors
+state_dict.pt     torch.save(model.state_dict()): a pickle, not TorchScript
 """
 import os
 import sys
@@ -96,6 +97,7 @@ def main() -> None:
     model = gpt.GPT(vocab_size=256, d_model=20, n_layers=3, n_heads=2,
                     seq_len=24)
     torch.jit.script(model).save(os.path.join(out, "gpt.pt"))
+    torch.save(model.state_dict(), os.path.join(out, "state_dict.pt"))
     torch.jit.script(NoHeadLoss()).save(os.path.join(out, "no_head_loss.pt"))
     torch.jit.script(BadSignature()).save(os.path.join(out, "bad_signature.pt"))
     torch.jit.script(BadUnit()).save(os.path.join(out, "bad_unit.pt"))

@@ -15,6 +15,7 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <system_error>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -33,25 +34,35 @@ using fsdp::testing::RunOnMesh;
 constexpr int kRanks = 4;
 constexpr int kSamplesPerRank = 2;
 
-// The scripted models of make_scripted_models.py, made once per test binary;
-// empty when no python3 with torch was found at configure time.
-const std::string& ModelsDir() {
-  static const std::string* dir = [] {
-    auto* out = new std::string;
+// The scripted models of make_scripted_models.py, made once per test binary
+// in a directory removed when it exits; empty when no python3 with torch was
+// found at configure time.
+struct ScriptedModels {
+  ScriptedModels() {
     const std::string python = HSDP_TORCH_PYTHON;
-    if (python.empty()) return out;
+    if (python.empty()) return;
     const fs::path d =
         fs::temp_directory_path() / absl::StrCat("hsdp-ts-models-", ::getpid());
     const std::string cmd =
         absl::StrCat(python, " ", HSDP_MAKE_SCRIPTED_MODELS, " ", d.string());
     if (std::system(cmd.c_str()) != 0) {
       ADD_FAILURE() << "failed: " << cmd;
-      return out;
+      return;
     }
-    *out = d.string();
-    return out;
-  }();
-  return *dir;
+    dir = d.string();
+  }
+  ~ScriptedModels() {
+    std::error_code ec;
+    if (!dir.empty()) fs::remove_all(dir, ec);
+  }
+  ScriptedModels(const ScriptedModels&) = delete;
+  ScriptedModels& operator=(const ScriptedModels&) = delete;
+  std::string dir;
+};
+
+const std::string& ModelsDir() {
+  static const ScriptedModels models;
+  return models.dir;
 }
 
 #define REQUIRE_MODELS()                                                  \
@@ -243,6 +254,7 @@ TEST(TorchScriptTaskTest, BadModelsAreRefusedInOneLine) {
   const std::string text = ModelsDir() + "/not_a_model.pt";
   std::ofstream(text) << "just some text\n";
   ExpectRefused(Args("not_a_model.pt"), "not a TorchScript archive");
+  ExpectRefused(Args("state_dict.pt"), "not a TorchScript archive");
   ExpectRefused(Args("missing.pt"), "cannot open", absl::StatusCode::kNotFound);
   ExpectRefused(Args("no_head_loss.pt"),
                 "has no method head_loss(self, x: Tensor, targets: Tensor)");
