@@ -8,6 +8,7 @@
 #include <optional>
 #include <sstream>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -24,17 +25,31 @@ constexpr char kForward[] = "forward";
 constexpr char kVocabSize[] = "vocab_size";
 constexpr char kSeqLen[] = "seq_len";
 constexpr char kConventionDoc[] = "see examples/torchscript/README.md";
+// forward and the chained stages run the same ops when the units are right;
+// the tolerance only admits a forward written differently (fused, reordered).
+constexpr double kChainRtol = 1e-5;
+constexpr double kChainAtol = 1e-6;
 
 // The first line of an exception's message (LibTorch's carry backtraces).
 std::string FirstLine(const std::string& text) {
   return std::string(text.substr(0, text.find('\n')));
 }
 
+// One line saying what went wrong: a c10::Error's message without its
+// backtrace; for an error raised inside scripted code, the last line of the
+// interpreter's report ("RuntimeError: mat1 and mat2 shapes ...") rather
+// than its first ("The following operation failed ...").
 std::string ErrorText(const std::exception& e) {
   if (const auto* c10 = dynamic_cast<const c10::Error*>(&e)) {
     return FirstLine(c10->what_without_backtrace());
   }
-  return FirstLine(e.what());
+  const std::string text = e.what();
+  if (text.find("TorchScript interpreter") != std::string::npos) {
+    std::vector<absl::string_view> lines =
+        absl::StrSplit(text, '\n', absl::SkipWhitespace());
+    if (!lines.empty()) return std::string(lines.back());
+  }
+  return FirstLine(text);
 }
 
 // FNV-1a of the file's bytes, folded to a positive int: workers that loaded
@@ -134,6 +149,45 @@ at::Tensor Call(const torch::jit::Method& method,
   return method(std::move(args)).toTensor();
 }
 
+// The worker runs embed, the units in order, then head_loss; the model's own
+// forward must compute the same loss, or the rule left out a stage (or picked
+// modules the model does not run one after another). Checked without grad on
+// the data's first sample.
+absl::Status CheckUnitsChain(const torch::jit::Module& module,
+                             const std::vector<torch::jit::Module>& units,
+                             const TokenDataset& data, int64_t seq_len,
+                             const std::string& where,
+                             const std::string& rule) {
+  at::NoGradGuard no_grad;
+  const TokenBatch sample = data.GlobalSlice(/*seed=*/0, /*step=*/0,
+                                             /*first=*/0, /*count=*/1, seq_len);
+  at::Tensor whole, chained;
+  try {
+    whole = Call(module.get_method(kForward), {sample.tokens, sample.targets});
+    at::Tensor x = Call(module.get_method(kEmbed), {sample.tokens});
+    for (const torch::jit::Module& unit : units) {
+      x = Call(unit.get_method(kForward), {x});
+    }
+    chained = Call(module.get_method(kHeadLoss), {x, sample.targets});
+  } catch (const std::exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ": --units '", rule,
+        "': embed, the units in order and head_loss fail on one sample (",
+        ErrorText(e), "); the units must be the stages forward runs in turn"));
+  }
+  if (whole.numel() != 1 || chained.numel() != 1 ||
+      !at::allclose(whole, chained, kChainRtol, kChainAtol)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ": --units '", rule, "': embed, the units in order and ",
+        "head_loss give loss ",
+        chained.numel() == 1 ? chained.item<double>() : -1.0,
+        " on one sample but forward gives ",
+        whole.numel() == 1 ? whole.item<double>() : -1.0,
+        "; the units must be the stages forward runs in turn"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<TorchScriptTask>> TorchScriptTask::Create(
@@ -209,8 +263,14 @@ absl::StatusOr<std::unique_ptr<TorchScriptTask>> TorchScriptTask::Create(
     unit_modules.push_back(unit);
   }
 
+  HSDP_RETURN_IF_ERROR(
+      CheckMethod(module, where, kForward, 2,
+                  "forward(self, tokens: Tensor, targets: Tensor) -> Tensor"));
+
   HSDP_ASSIGN_OR_RETURN(TokenDataset data,
                         TokenDataset::Open(args.data, vocab_size, seq_len));
+  HSDP_RETURN_IF_ERROR(
+      CheckUnitsChain(module, unit_modules, data, seq_len, where, rule));
   std::unique_ptr<TorchScriptTask> task(
       new TorchScriptTask(module, std::move(data)));
   task->path_ = path;

@@ -6,6 +6,7 @@
 //   vocab_size: int, seq_len: int       attributes: the data's shape
 //   embed(tokens: Tensor) -> Tensor     int64 [b, t] -> activations
 //   head_loss(x: Tensor, targets: Tensor) -> Tensor    mean loss, a scalar
+//   forward(tokens: Tensor, targets: Tensor) -> Tensor the same loss
 // and every submodule the unit rule (--units, default "layers.*") selects has
 //   forward(x: Tensor) -> Tensor
 // The worker computes a microbatch's loss as
@@ -14,7 +15,11 @@
 // entering each unit through ShardContext::Forward around that unit's forward
 // alone, so its parameters are gathered just before it, freed after it (as the
 // schedule says) and prefetched like a C++ module's. Parameters no unit
-// contains (embeddings, final norm, head) are the root unit's.
+// contains (embeddings, final norm, head) are the root unit's. The worker never
+// calls the root forward in training; at start it checks on one sample that
+// forward's loss equals the chained one, which refuses a rule that leaves out
+// a stage (that stage would silently never run) or selects modules the model
+// does not run one after another.
 //
 // Parameters. A scripted module keeps its parameters as tensor attributes
 // (IValue slots of the module object). The task builds a torch::nn::Module tree
@@ -37,7 +42,8 @@
 //
 // Refusals (INVALID_ARGUMENT, one line naming the file and what is wrong): not
 // a TorchScript archive, a missing method or attribute, a method with the wrong
-// signature, a unit rule matching nothing, overlapping units.
+// signature, a unit rule matching nothing, overlapping units, units whose
+// chain differs from forward. NOT_FOUND for a missing file.
 //
 // The initial values are the saved ones (--seed only orders the data). Name()
 // is "torchscript:" plus the scripted class; Version() is a hash of the

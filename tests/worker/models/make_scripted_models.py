@@ -8,6 +8,7 @@ no_head_loss.pt   no head_loss method
 bad_signature.pt  head_loss(self, x: Tensor, targets: int)
 bad_unit.pt       a unit whose forward takes two tensors
 state_dict.pt     torch.save(model.state_dict()): a pickle, not TorchScript
+one_arg_forward.pt  forward(self, tokens: Tensor): no targets
 """
 import os
 import sys
@@ -89,6 +90,17 @@ class BadUnit(NoHeadLoss):
         return x
 
 
+class OneArgForward(NoHeadLoss):
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(8, 256)
+
+    @torch.jit.export
+    def head_loss(self, x: Tensor, targets: Tensor) -> Tensor:
+        logits = self.head(x)
+        return F.cross_entropy(logits.reshape(-1, 256), targets.reshape(-1))
+
+
 def main() -> None:
     out = sys.argv[1]
     os.makedirs(out, exist_ok=True)
@@ -101,6 +113,8 @@ def main() -> None:
     torch.jit.script(NoHeadLoss()).save(os.path.join(out, "no_head_loss.pt"))
     torch.jit.script(BadSignature()).save(os.path.join(out, "bad_signature.pt"))
     torch.jit.script(BadUnit()).save(os.path.join(out, "bad_unit.pt"))
+    torch.jit.script(OneArgForward()).save(
+        os.path.join(out, "one_arg_forward.pt"))
 
 
 if __name__ == "__main__":

@@ -77,8 +77,9 @@ train::TaskArgs Args(const std::string& file, const std::string& units = "") {
   return args;
 }
 
-std::unique_ptr<TorchScriptTask> Load(const std::string& file) {
-  auto task = TorchScriptTask::Create(Args(file));
+std::unique_ptr<TorchScriptTask> Load(const std::string& file,
+                                      const std::string& units = "") {
+  auto task = TorchScriptTask::Create(Args(file, units));
   EXPECT_TRUE(task.ok()) << task.status();
   if (!task.ok()) return nullptr;
   EXPECT_TRUE((*task)->Build(train::BuildContext{}).ok());
@@ -174,16 +175,23 @@ std::map<std::string, at::Tensor> ReferenceGradients() {
   return grads;
 }
 
-class ShardedGradientsTest : public ::testing::TestWithParam<bool> {};
+struct ShardingCase {
+  bool recompute = false;
+  std::string units;
+  // Parameters inside the units (the rest are the root's).
+  int unit_params = 0;
+};
+
+class ShardedGradientsTest : public ::testing::TestWithParam<ShardingCase> {};
 
 TEST_P(ShardedGradientsTest, ReachTheShardsAndEqualTheUnshardedOnes) {
   REQUIRE_MODELS();
-  const bool recompute = GetParam();
+  const bool recompute = GetParam().recompute;
   at::set_num_threads(1);
   const std::map<std::string, at::Tensor> full = ReferenceGradients();
   std::mutex mu;
   RunOnMesh({2, 2}, [&](RankContext& rank) {
-    std::unique_ptr<TorchScriptTask> task = Load("gpt.pt");
+    std::unique_ptr<TorchScriptTask> task = Load("gpt.pt", GetParam().units);
     ASSERT_NE(task, nullptr);
     fsdp::EngineOptions options;
     auto described = train::DescribeTaskUnits(*task, options);
@@ -208,19 +216,18 @@ TEST_P(ShardedGradientsTest, ReachTheShardsAndEqualTheUnshardedOnes) {
     ASSERT_TRUE((*engine)->status().ok()) << (*engine)->status();
 
     std::lock_guard<std::mutex> lock(mu);
-    // The scripted module's own parameter tensors are the engine's: resharded
-    // after backward, their storage bytes are freed.
-    std::map<std::string, at::Tensor> scripted;
-    for (const auto& p : task->scripted().named_parameters())
-      scripted[p.name] = p.value;
+    // The scripted module's own parameter tensors are the engine's: the
+    // units', resharded after backward, have their storage bytes freed.
     int freed = 0;
-    for (const auto& [name, t] : scripted) {
-      if (name.rfind("layers.", 0) == 0) {
-        EXPECT_EQ(t.storage().nbytes(), 0u) << name;
-        ++freed;
+    for (const auto& p : task->scripted().named_parameters()) {
+      for (const std::string& unit : task->unit_names()) {
+        if (p.name.rfind(unit + ".", 0) == 0) {
+          EXPECT_EQ(p.value.storage().nbytes(), 0u) << p.name;
+          ++freed;
+        }
       }
     }
-    EXPECT_EQ(freed, 36);  // 3 blocks x 12
+    EXPECT_EQ(freed, GetParam().unit_params);
     const auto layout = fsdp::ShardedStateDict(**engine);
     int checked = 0;
     for (const auto& [name, shard] : (*engine)->NamedParameters()) {
@@ -236,7 +243,17 @@ TEST_P(ShardedGradientsTest, ReachTheShardsAndEqualTheUnshardedOnes) {
   });
 }
 
-INSTANTIATE_TEST_SUITE_P(Recompute, ShardedGradientsTest, ::testing::Bool());
+// Blocks as units (3 x 12 parameters), with and without recompute; and the
+// same units named one by one.
+INSTANTIATE_TEST_SUITE_P(
+    Units, ShardedGradientsTest,
+    ::testing::Values(ShardingCase{false, "layers.*", 36},
+                      ShardingCase{true, "layers.*", 36},
+                      ShardingCase{false, "layers.0,layers.1,layers.2", 36}),
+    [](const ::testing::TestParamInfo<ShardingCase>& info) {
+      return absl::StrCat(info.param.units == "layers.*" ? "Glob" : "Listed",
+                          info.param.recompute ? "Recompute" : "");
+    });
 
 // INVALID_ARGUMENT (or `code`), one line, containing `needle`.
 void ExpectRefused(const train::TaskArgs& args, const std::string& needle,
@@ -262,7 +279,16 @@ TEST(TorchScriptTaskTest, BadModelsAreRefusedInOneLine) {
                 "method 'head_loss' has the wrong signature");
   ExpectRefused(Args("bad_unit.pt"),
                 "unit 'layers.0': method 'forward' has the wrong signature");
+  ExpectRefused(Args("one_arg_forward.pt"),
+                "method 'forward' has the wrong signature");
   ExpectRefused(Args("gpt.pt", "blocks.*"), "'blocks.*' matches no submodule");
+  // Units that are not the stages forward runs in turn: a block left out (it
+  // would silently never run), and modules inside the blocks.
+  ExpectRefused(Args("gpt.pt", "layers.1"),
+                "': embed, the units in order and head_loss give loss");
+  ExpectRefused(Args("gpt.pt", "layers.*.qkv"),
+                "': embed, the units in order and head_loss fail on one "
+                "sample");
   ExpectRefused(Args("gpt.pt", "layers.*,layers.*.fc"),
                 "units overlap: 'layers.0.fc'");
   train::TaskArgs dims = Args("gpt.pt");
