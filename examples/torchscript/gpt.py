@@ -10,10 +10,11 @@ The module follows the convention hsdp-worker expects of a scripted model
   embed(tokens) -> x                       int64 [b, t] -> [b, t, d]
   layers.<i>.forward(x) -> x               the units (--units 'layers.*')
   head_loss(x, targets) -> loss            mean cross entropy, a scalar
+  forward(tokens, targets) -> loss         the same loss, for Python callers
 
 The worker calls embed, then each unit in model order, then head_loss, and
-gathers each unit's parameters around that unit's call alone. forward() below
-does the same thing and is what Python code (and tests) call.
+gathers each unit's parameters around that unit's call alone. It checks once at
+start that forward() gives the same loss on one sample.
 
 The architecture is the C++ GPT's (worker/models/gpt.cc): pre-norm blocks with
 causal self-attention and a GELU MLP, no dropout (runs must be deterministic).
