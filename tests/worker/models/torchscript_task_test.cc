@@ -14,6 +14,7 @@
 #include <fstream>
 #include <map>
 #include <mutex>
+#include <ostream>
 #include <string>
 #include <system_error>
 #include <vector>
@@ -181,6 +182,10 @@ struct ShardingCase {
   // Parameters inside the units (the rest are the root's).
   int unit_params = 0;
 };
+
+void PrintTo(const ShardingCase& c, std::ostream* os) {
+  *os << "--units '" << c.units << "'" << (c.recompute ? ", recompute" : "");
+}
 
 class ShardedGradientsTest : public ::testing::TestWithParam<ShardingCase> {};
 
