@@ -1,6 +1,6 @@
-// The tasks hsdp-worker knows by name: gpt-tiny, gpt-small, gpt-medium, gpt-1b
-// and gpt-custom (--dims). NOT_FOUND naming the known models for anything
-// else.
+// The tasks hsdp-worker knows by name: gpt-tiny, gpt-small, gpt-medium, gpt-1b,
+// gpt-custom (--dims) and torchscript:PATH (a scripted model, see
+// torchscript_task.h). NOT_FOUND naming the known models for anything else.
 #ifndef HSDP_WORKER_MODELS_BUILTIN_TASKS_H_
 #define HSDP_WORKER_MODELS_BUILTIN_TASKS_H_
 

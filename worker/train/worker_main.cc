@@ -75,6 +75,7 @@ int WorkerMain(int argc, char** argv, const TaskFactory& factory) {
   bool reference = false;
   std::string optimizer = "adamw", lr_schedule = "constant";
   std::vector<std::string> task_options;
+  std::string units;
 
   CLI::App app{absl::StrCat(program,
                             ": trains a model shard scheduled by an hsdp "
@@ -82,9 +83,10 @@ int WorkerMain(int argc, char** argv, const TaskFactory& factory) {
   app.add_option("--coordinator", w.coordinator, "coordinator HOST:PORT")
       ->envname("HSDP_COORDINATOR");
   app.add_option("--job-id", w.job_id, "job id")->envname("HSDP_JOB_ID");
-  app.add_option("--job-token-file", w.job_token_file,
-                 "file holding the job's worker token (else HSDP_JOB_TOKEN_FILE, "
-                 "else HSDP_JOB_TOKEN)");
+  app.add_option(
+      "--job-token-file", w.job_token_file,
+      "file holding the job's worker token (else HSDP_JOB_TOKEN_FILE, "
+      "else HSDP_JOB_TOKEN)");
   app.add_option("--tls-ca", w.tls_ca,
                  "PEM CA of the coordinator's certificate (TLS)")
       ->envname("HSDP_TLS_CA");
@@ -108,6 +110,11 @@ int WorkerMain(int argc, char** argv, const TaskFactory& factory) {
       ->envname("HSDP_VOCAB_SIZE");
   app.add_option("--task-option", task_options,
                  "KEY=VALUE setting of the model's own (repeatable)");
+  app.add_option("--units", units,
+                 "glob over submodule names that are sharding units, e.g. "
+                 "'layers.*' (torchscript models; same as --task-option "
+                 "units=RULE)")
+      ->envname("HSDP_UNITS");
   app.add_option("--data", w.task_args.data,
                  "training data: a text file, tokens:PATH (llm.c header), "
                  "tokens-u16:PATH or tokens-u32:PATH (default: built-in "
@@ -228,6 +235,7 @@ int WorkerMain(int argc, char** argv, const TaskFactory& factory) {
     }
     w.task_args.options[kv.substr(0, eq)] = kv.substr(eq + 1);
   }
+  if (!units.empty()) w.task_args.options["units"] = units;
   if (absl::Status s = ValidateTrainingOptions(t); !s.ok()) {
     return usage(std::string(s.message()));
   }
