@@ -83,9 +83,13 @@ def ignored(rel, patterns):
 
 
 def readme_cmake_commands():
-    """The cmake commands of the README's code blocks, each '&&' part on its own."""
+    """The cmake commands of the README's Developing section (how hsdp itself is built; other
+    sections build users' projects against an installed hsdp), each '&&' part on its own."""
     with open(os.path.join(m.REPO, "README.md"), encoding="utf-8") as f:
         text = f.read()
+    section = re.search(r"^## Developing\n(.*?)(?=^## |\Z)", text, flags=re.S | re.M)
+    if section:
+        text = section.group(1)
     cmds = []
     for block in re.findall(r"```[a-z]*\n(.*?)```", text, flags=re.S):
         for line in block.splitlines():
