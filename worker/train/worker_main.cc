@@ -82,9 +82,10 @@ int WorkerMain(int argc, char** argv, const TaskFactory& factory) {
   app.add_option("--coordinator", w.coordinator, "coordinator HOST:PORT")
       ->envname("HSDP_COORDINATOR");
   app.add_option("--job-id", w.job_id, "job id")->envname("HSDP_JOB_ID");
-  app.add_option("--job-token-file", w.job_token_file,
-                 "file holding the job's worker token (else HSDP_JOB_TOKEN_FILE, "
-                 "else HSDP_JOB_TOKEN)");
+  app.add_option(
+      "--job-token-file", w.job_token_file,
+      "file holding the job's worker token (else HSDP_JOB_TOKEN_FILE, "
+      "else HSDP_JOB_TOKEN)");
   app.add_option("--tls-ca", w.tls_ca,
                  "PEM CA of the coordinator's certificate (TLS)")
       ->envname("HSDP_TLS_CA");
@@ -158,6 +159,14 @@ int WorkerMain(int argc, char** argv, const TaskFactory& factory) {
   app.add_option("--checkpoint-dir", w.checkpoint_dir,
                  "sharded checkpoints; resume from here")
       ->envname("HSDP_CHECKPOINT_DIR");
+  app.add_option("--keep-checkpoints", w.keep_checkpoints,
+                 "newest checkpoints kept, older ones deleted once a newer "
+                 "one is complete (0: all)")
+      ->envname("HSDP_KEEP_CHECKPOINTS");
+  app.add_flag("--sync-checkpoint", w.sync_checkpoint,
+               "write checkpoints on the training thread (default: in the "
+               "background)")
+      ->envname("HSDP_SYNC_CHECKPOINT");
   app.add_option("--threads", w.process.threads,
                  "intra-op threads (0: LibTorch default)")
       ->envname("HSDP_THREADS");
