@@ -291,8 +291,8 @@ absl::StatusOr<int> RowReader::Open(const std::string& file,
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) {
     return absl::DataLossError(
-        absl::StrCat("checkpoint file ", path, " is missing (", tensor.name,
-                     " has rows there): ", std::strerror(errno)));
+        absl::StrCat("checkpoint file ", path, " is missing (tensor ",
+                     tensor.name, " has rows there): ", std::strerror(errno)));
   }
   struct stat st;
   if (::fstat(fd, &st) != 0 || st.st_size != file_bytes_[file]) {

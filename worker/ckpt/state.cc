@@ -128,7 +128,9 @@ absl::StatusOr<std::vector<LocalTensor>> ParamShards(
           " is not rows [", offset, ", ", offset + valid, ") of ",
           c10::str(c10::IntArrayRef(it->second))));
     }
-    out.push_back(LocalTensor{name, shard.detach(), it->second, offset});
+    // The optimizer's own tensor, not a detached alias: its state is keyed by
+    // the TensorImpl.
+    out.push_back(LocalTensor{name, shard, it->second, offset});
   }
   return out;
 }

@@ -26,13 +26,13 @@ using fsdp::testing::RunConfig;
 using fsdp::testing::RunOnMesh;
 using ::testing::HasSubstr;
 
-struct Run {
+struct ShellResult {
   int status = -1;
   std::string output;
 };
 
-Run Shell(const std::string& command) {
-  Run r;
+ShellResult Shell(const std::string& command) {
+  ShellResult r;
   FILE* pipe = popen((command + " 2>&1").c_str(), "r");
   if (pipe == nullptr) return r;
   char buf[4096];
@@ -90,14 +90,15 @@ TEST_F(ExportTest, TorchLoadAndSafetensorsRoundTripInPython) {
   if (!fs::exists(HSDP_TORCH_PYTHON)) {
     GTEST_SKIP() << HSDP_TORCH_PYTHON << " (python3 with torch) not found";
   }
-  const Run r = Shell(absl::StrCat(HSDP_TORCH_PYTHON, " ", HSDP_EXPORT_CHECK,
-                                   " ", pt, " ", st, " ", expected));
+  const ShellResult r =
+      Shell(absl::StrCat(HSDP_TORCH_PYTHON, " ", HSDP_EXPORT_CHECK, " ", pt,
+                         " ", st, " ", expected));
   EXPECT_EQ(r.status, 0) << r.output;
   EXPECT_THAT(r.output, HasSubstr("tensors equal"));
 }
 
 TEST_F(ExportTest, ToolInspectsVerifiesAndNamesAFlippedByte) {
-  Run r = Shell(absl::StrCat(HSDP_CKPT_TOOL, " inspect ", root_));
+  ShellResult r = Shell(absl::StrCat(HSDP_CKPT_TOOL, " inspect ", root_));
   EXPECT_EQ(r.status, 0) << r.output;
   EXPECT_THAT(r.output, HasSubstr("step 1  complete"));
   EXPECT_THAT(r.output, HasSubstr("saved on 1x2"));
