@@ -19,6 +19,7 @@ CheckpointSaver::CheckpointSaver(SaverOptions options)
     : options_(std::move(options)) {}
 
 CheckpointSaver::~CheckpointSaver() {
+  cancelled_ = true;
   const absl::Status s = Wait();
   if (!s.ok()) LOG(ERROR) << s;
 }
@@ -98,7 +99,7 @@ absl::Status CheckpointSaver::Write(
   base.replicate = options_.replicate_size;
   base.shard = options_.shard_size;
   absl::Status s = PublishMetadata(dir, std::move(base), options_.shard_size,
-                                   options_.publish_timeout);
+                                   options_.publish_timeout, &cancelled_);
   if (!s.ok()) return s;
   DeleteOld(step);
   return absl::OkStatus();

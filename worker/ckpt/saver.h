@@ -11,6 +11,7 @@
 #ifndef HSDP_WORKER_CKPT_SAVER_H_
 #define HSDP_WORKER_CKPT_SAVER_H_
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <string>
@@ -42,7 +43,9 @@ struct SaverOptions {
 class CheckpointSaver {
  public:
   explicit CheckpointSaver(SaverOptions options);
-  ~CheckpointSaver();  // waits for the write in flight
+  // Waits for the write in flight, but rank 0 stops waiting for other
+  // writers (that step stays unpublished): call Wait() first to publish it.
+  ~CheckpointSaver();
   CheckpointSaver(const CheckpointSaver&) = delete;
   CheckpointSaver& operator=(const CheckpointSaver&) = delete;
 
@@ -75,6 +78,7 @@ class CheckpointSaver {
 
   const SaverOptions options_;
   std::thread thread_;
+  std::atomic<bool> cancelled_{false};
   absl::Mutex mu_;
   absl::Status status_ ABSL_GUARDED_BY(mu_);
 };

@@ -213,7 +213,8 @@ absl::StatusOr<ShardIndex> WriteShardFile(
 }
 
 absl::Status PublishMetadata(const std::string& step_dir, Metadata base,
-                             int shard_files, absl::Duration timeout) {
+                             int shard_files, absl::Duration timeout,
+                             const std::atomic<bool>* cancelled) {
   const absl::Time deadline = absl::Now() + timeout;
   std::map<std::string, TensorEntry> tensors;
   for (int i = 0; i < shard_files; ++i) {
@@ -222,6 +223,13 @@ absl::Status PublishMetadata(const std::string& step_dir, Metadata base,
         absl::StrCat(step_dir, "/", ShardIndexName(file));
     std::error_code ec;
     while (!fs::exists(index_path, ec)) {
+      if (cancelled != nullptr && cancelled->load()) {
+        return absl::CancelledError(
+            absl::StrCat("checkpoint ", step_dir,
+                         " not published: the worker is exiting "
+                         "before ",
+                         file, " was complete"));
+      }
       if (absl::Now() > deadline) {
         return absl::DeadlineExceededError(absl::StrCat(
             "checkpoint ", step_dir, " not published: ", file,

@@ -9,6 +9,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -50,9 +51,11 @@ absl::StatusOr<ShardIndex> WriteShardFile(
 // Waits (up to `timeout`) for the index of every one of `shard_files` shard
 // files, merges them into `base` (files, tensors, optimizer steps), checks the
 // result and writes metadata.json atomically. DEADLINE_EXCEEDED naming the
-// missing file when a writer never finished: then no metadata is written.
+// missing file when a writer never finished, CANCELLED when `cancelled` turns
+// true while waiting: then no metadata is written.
 absl::Status PublishMetadata(const std::string& step_dir, Metadata base,
-                             int shard_files, absl::Duration timeout);
+                             int shard_files, absl::Duration timeout,
+                             const std::atomic<bool>* cancelled = nullptr);
 
 // Parses and checks step_dir/metadata.json.
 absl::StatusOr<Metadata> ReadMetadata(const std::string& step_dir);
