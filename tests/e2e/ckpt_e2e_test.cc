@@ -64,6 +64,48 @@ TEST(CkptE2eTest, SavedOn2x2ResumesOn1x3AndSaysSo) {
   std::filesystem::remove_all(ckpt);
 }
 
+// Workers killed (SIGKILL) while checkpointing every step: every directory
+// that looks complete verifies, and a new job resumes from the newest one,
+// passing over the interrupted save if the kill left one.
+TEST(CkptE2eTest, KillDuringWritesNeverLeavesACompleteLookingBadCheckpoint) {
+  Cluster c("ckpt-kill");
+  const std::string ckpt = c.dir() + "/ckpt";
+  const std::string policy = c.dir() + "/policy.json";
+  std::ofstream(policy) << "{\"checkpointInterval\": 1}\n";
+  c.StartCoordinator(4, "2x2", 0, policy);
+  c.StartWorkers(4, {"--checkpoint-dir", ckpt}, kSteps);
+  ASSERT_TRUE(c.WaitForSteps(8));
+  for (Proc& p : c.workers()) Kill(p);
+  c.workers().clear();
+  Kill(c.coordinator());
+  int complete = 0, incomplete = 0;
+  for (const auto& e : std::filesystem::directory_iterator(ckpt)) {
+    if (!std::filesystem::exists(e.path() / "metadata.json")) {
+      ++incomplete;
+      continue;
+    }
+    ++complete;
+    Proc verify = Spawn({Bin("hsdp-ckpt"), "verify", e.path().string()},
+                        c.dir() + "/verify.log");
+    EXPECT_EQ(Wait(verify), 0) << ReadFile(c.dir() + "/verify.log");
+  }
+  EXPECT_GT(complete, 0);
+  RecordProperty("incomplete_after_kill", incomplete);
+
+  Cluster again("ckpt-kill-resume");
+  again.StartCoordinator(4, "2x2");
+  again.StartWorkers(4, {"--checkpoint-dir", ckpt}, 12);
+  std::vector<Proc> workers = again.workers();
+  again.WaitWorkers();
+  for (const std::string& log : Logs(workers)) {
+    EXPECT_NE(log.find("(same mesh 2x2)"), std::string::npos) << log;
+    if (incomplete > 0) {
+      EXPECT_NE(log.find("passed over checkpoint"), std::string::npos) << log;
+    }
+  }
+  Kill(again.coordinator());
+}
+
 TEST(CkptE2eTest, PreV1CheckpointIsRefusedNotSkipped) {
   Cluster c("ckpt-old");
   const std::string ckpt = c.dir() + "/ckpt";
