@@ -234,7 +234,8 @@ absl::Status PublishMetadata(const std::string& step_dir, Metadata base,
         return absl::DeadlineExceededError(absl::StrCat(
             "checkpoint ", step_dir, " not published: ", file,
             " was not complete after ", absl::FormatDuration(timeout),
-            " (its writer failed or died)"));
+            " (its writer failed or died, or the directory is not shared by "
+            "every rank)"));
       }
       absl::SleepFor(kPublishPoll);
     }

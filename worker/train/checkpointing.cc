@@ -95,6 +95,7 @@ absl::StatusOr<int64_t> Checkpointing::Resume(
   const std::string saved = MeshName(metadata->replicate, metadata->shard);
   const std::string now =
       MeshName(mesh_.replicate().size(), mesh_.shard().size());
+  read_stats_ = stats;
   LOG(INFO) << "rank " << rank << " resumed from step " << metadata->step
             << (saved == now ? absl::StrCat(" (same mesh ", now, ")")
                              : absl::StrCat(" (resharded from ", saved, " to ",

@@ -63,12 +63,15 @@ class Checkpointing {
   absl::Status Finish();
 
   bool enabled() const { return !options_.root.empty(); }
+  // What the last Resume read on this rank.
+  const ckpt::ReadStats& read_stats() const { return read_stats_; }
 
  private:
   CheckpointingOptions options_;
   comm::DeviceMesh& mesh_;
   c10::Device device_;
   std::unique_ptr<ckpt::CheckpointSaver> saver_;
+  ckpt::ReadStats read_stats_;
 };
 
 }  // namespace hsdp::train
