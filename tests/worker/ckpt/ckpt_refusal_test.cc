@@ -63,7 +63,13 @@ class RefusalTest : public ::testing::Test {
     pristine_ = new std::string(TempDir("pristine"));
     SaveOn1x2(*pristine_, 1);
   }
-  static void TearDownTestSuite() { delete pristine_; }
+  static void TearDownTestSuite() {
+    fs::remove_all(*pristine_);
+    delete pristine_;
+  }
+  void TearDown() override {
+    if (!HasFailure()) fs::remove_all(root_);
+  }
   void SetUp() override {
     root_ = TempDir(
         ::testing::UnitTest::GetInstance()->current_test_info()->name());

@@ -67,6 +67,7 @@ class ReshardTest : public ::testing::TestWithParam<std::tuple<int, int>> {
     saved_ = new Saved(SaveOn2x2(*root_, 2));
   }
   static void TearDownTestSuite() {
+    std::filesystem::remove_all(*root_);
     delete saved_;
     delete root_;
   }

@@ -1,6 +1,7 @@
 #include "tests/worker/ckpt/ckpt_test_util.h"
 
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <filesystem>
 
@@ -125,7 +126,9 @@ std::map<std::string, at::Tensor> GlobalState::tensors() const {
 }
 
 std::string TempDir(const std::string& name) {
-  const std::string dir = absl::StrCat(::testing::TempDir(), "/ckpt_", name);
+  // Per process: ctest -j runs the cases of one binary side by side.
+  const std::string dir =
+      absl::StrCat(::testing::TempDir(), "/ckpt_", getpid(), "_", name);
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
   return dir;

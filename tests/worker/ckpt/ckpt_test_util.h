@@ -73,7 +73,7 @@ class GlobalState {
   std::map<std::string, at::Tensor> tensors_ ABSL_GUARDED_BY(mu_);
 };
 
-// A fresh directory under the test temp dir.
+// A fresh directory under the test temp dir, private to this process.
 std::string TempDir(const std::string& name);
 
 }  // namespace hsdp::ckpt::testing
