@@ -13,6 +13,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "tests/worker/ckpt/ckpt_test_util.h"
+#include "worker/ckpt/crc32c.h"
 #include "worker/ckpt/state.h"
 
 namespace hsdp::ckpt::testing {
@@ -256,6 +257,15 @@ TEST(FormatTest, KeepDeletesOnlyOlderCompleteCheckpoints) {
   EXPECT_EQ(CompleteCheckpointSteps(root), (std::vector<int64_t>{2, 3}));
   EXPECT_FALSE(fs::exists(root + "/" + StepDirName(0)));
   EXPECT_FALSE(fs::exists(root + "/" + StepDirName(1)));
+}
+
+TEST(FormatTest, Crc32cIsTheCastagnoliCrc) {
+  // The standard check value of CRC-32C (iSCSI), what other readers compute.
+  EXPECT_EQ(Crc32c("123456789", 9), 0xE3069283u);
+  // Two parts extended equal one pass (the 8-byte and byte-wise paths agree).
+  const std::string data(1000, '\x5a');
+  EXPECT_EQ(Crc32cExtend(Crc32c(data.data(), 13), data.data() + 13, 987),
+            Crc32c(data.data(), 1000));
 }
 
 TEST(FormatTest, MetadataRoundTripsThroughJson) {
