@@ -125,12 +125,43 @@ std::map<std::string, at::Tensor> GlobalState::tensors() const {
   return tensors_;
 }
 
+namespace {
+
+// Removes this process's TempDirs after the last test when every test passed
+// (kept for inspection otherwise).
+class TempDirCleaner : public ::testing::Environment {
+ public:
+  void Add(const std::string& dir) {
+    absl::MutexLock lock(&mu_);
+    dirs_.push_back(dir);
+  }
+  void TearDown() override {
+    if (!::testing::UnitTest::GetInstance()->Passed()) return;
+    absl::MutexLock lock(&mu_);
+    for (const std::string& dir : dirs_) std::filesystem::remove_all(dir);
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::vector<std::string> dirs_ ABSL_GUARDED_BY(mu_);
+};
+
+TempDirCleaner* Cleaner() {
+  // Owned by GoogleTest once added.
+  static TempDirCleaner* cleaner = static_cast<TempDirCleaner*>(
+      ::testing::AddGlobalTestEnvironment(new TempDirCleaner));
+  return cleaner;
+}
+
+}  // namespace
+
 std::string TempDir(const std::string& name) {
   // Per process: ctest -j runs the cases of one binary side by side.
   const std::string dir =
       absl::StrCat(::testing::TempDir(), "/ckpt_", getpid(), "_", name);
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
+  Cleaner()->Add(dir);
   return dir;
 }
 
