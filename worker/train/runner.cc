@@ -28,8 +28,8 @@
 #include "worker/agent/coordinator_store.h"
 #include "worker/fsdp/fully_shard.h"
 #include "worker/fsdp/memory_meter.h"
+#include "worker/train/checkpointing.h"
 #include "worker/train/optimizer.h"
-#include "worker/train/rank_checkpoint.h"
 #include "worker/train/report_file.h"
 #include "worker/train/shard_context.h"
 #include "worker/train/step_trace.h"
@@ -176,30 +176,6 @@ absl::Status SaveParams(
   return absl::OkStatus();
 }
 
-// The checkpoint step to resume from, or -1. Prefers the coordinator's record
-// of the latest step every rank saved (works with per-rank volumes) when this
-// rank has that file; otherwise the newest step whose files for all ranks are
-// in `dir` (a shared directory). Every rank must pick the same step.
-absl::StatusOr<int64_t> ResumeStep(const std::string& dir,
-                                   int64_t coordinator_step, int rank,
-                                   int world, comm::DeviceMesh& mesh,
-                                   const c10::Device& device) {
-  std::error_code ec;
-  int64_t step = -1;
-  if (coordinator_step >= 0 &&
-      std::filesystem::exists(
-          RankCheckpointFile(dir, coordinator_step, rank, world), ec)) {
-    step = coordinator_step;
-  } else {
-    step = LatestCompleteRankCheckpoint(dir, world);
-  }
-  HSDP_RETURN_IF_ERROR(
-      CheckSameOnAllRanks(mesh, static_cast<double>(step), device,
-                          absl::StrCat("the checkpoint to resume from in ", dir,
-                                       "; is --checkpoint-dir complete?")));
-  return step;
-}
-
 // ---- the sharded worker -----------------------------------------------------
 
 absl::Status TrainSharded(std::unique_ptr<Task> task, const WorkerOptions& o) {
@@ -261,19 +237,23 @@ absl::Status TrainSharded(std::unique_ptr<Task> task, const WorkerOptions& o) {
   std::unique_ptr<torch::optim::Optimizer> opt =
       MakeOptimizer(*task, t, shards);
 
-  int64_t start = 0;
-  if (!o.checkpoint_dir.empty()) {
-    HSDP_ASSIGN_OR_RETURN(
-        const int64_t ckpt,
-        ResumeStep(o.checkpoint_dir, join.last_checkpoint_step(), rank, world,
-                   *mesh, device));
-    if (ckpt >= 0) {
-      HSDP_RETURN_IF_ERROR(LoadRankCheckpoint(o.checkpoint_dir, ckpt, rank,
-                                              world, shards, *opt));
-      start = ckpt + 1;
-      LOG(INFO) << "rank " << rank << " resumed from checkpoint step " << ckpt;
-    }
-  }
+  CheckpointingOptions co;
+  co.root = o.checkpoint_dir;
+  co.async = !o.sync_checkpoint;
+  co.keep = o.keep_checkpoints;
+  co.model_name = task->Name();
+  co.model_version = std::to_string(task->Version());
+  co.seed = t.seed;
+  co.job = {
+      {"steps", std::to_string(t.steps)},
+      {"microbatch_size", std::to_string(t.microbatch_size)},
+      {"optimizer", t.optimizer.kind == OptimizerKind::kSgd ? "sgd" : "adamw"},
+      {"lr", std::to_string(t.optimizer.lr)},
+      {"param_dtype", t.param_dtype},
+      {"device", o.device}};
+  Checkpointing checkpointing(co, *mesh, device);
+  HSDP_ASSIGN_OR_RETURN(const int64_t start,
+                        checkpointing.Resume(*engine, *task->Model(), *opt));
 
   ReportFile report_file;
   HSDP_RETURN_IF_ERROR(report_file.Open(o.process.report_file));
@@ -351,8 +331,9 @@ absl::Status TrainSharded(std::unique_ptr<Task> task, const WorkerOptions& o) {
           << " asks for a checkpoint but --checkpoint-dir is not set";
     } else if (schedule.checkpoint()) {
       const int64_t checkpoint_begin = StepTrace::Now();
-      HSDP_RETURN_IF_ERROR(SaveRankCheckpoint(o.checkpoint_dir, step, rank,
-                                              world, shards, *opt));
+      HSDP_RETURN_IF_ERROR(checkpointing.Save(
+          step, *engine, *task->Model(), *opt, schedule.policy_version(),
+          static_cast<int64_t>(world) * micro * t.microbatch_size));
       trace.Add("checkpoint", checkpoint_begin, StepTrace::Now());
       saved = true;
     }
@@ -407,6 +388,7 @@ absl::Status TrainSharded(std::unique_ptr<Task> task, const WorkerOptions& o) {
     line.sample_count = micro * t.microbatch_size;
     report_file.Write(line);
   }
+  HSDP_RETURN_IF_ERROR(checkpointing.Finish());
   if (!finished_sent && last_report.step() >= 0) {
     HSDP_RETURN_IF_ERROR(agent.ReportStep(last_report, /*finished=*/true));
   }

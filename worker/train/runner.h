@@ -111,7 +111,13 @@ struct WorkerOptions {
   std::optional<int> rank_hint;
   // "cpu" or "cuda:N".
   std::string device = "cpu";
+  // Checkpoints (format v1, worker/ckpt/README.md): resumed from on any mesh.
   std::string checkpoint_dir;
+  // Write checkpoints on the training thread instead of in the background.
+  bool sync_checkpoint = false;
+  // Newest checkpoints kept (older ones deleted once a newer one is
+  // complete); 0 keeps all.
+  int keep_checkpoints = 0;
   std::string gloo_iface;
   std::string gloo_hostname;
   // Ranks on one host move their all-gathers and reduce-scatters through
@@ -132,7 +138,8 @@ struct ReferenceOptions {
 };
 
 // Joins the coordinator and trains `task` until the last step or a drain.
-// Resumes from the latest complete checkpoint in checkpoint_dir.
+// Resumes from the latest complete checkpoint in checkpoint_dir, on whatever
+// mesh it was saved.
 absl::Status RunTask(std::unique_ptr<Task> task, const WorkerOptions& options);
 
 // Unsharded single-process training on exactly the global batches of a sharded

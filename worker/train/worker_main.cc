@@ -165,6 +165,14 @@ int WorkerMain(int argc, char** argv, const TaskFactory& factory) {
   app.add_option("--checkpoint-dir", w.checkpoint_dir,
                  "sharded checkpoints; resume from here")
       ->envname("HSDP_CHECKPOINT_DIR");
+  app.add_option("--keep-checkpoints", w.keep_checkpoints,
+                 "newest checkpoints kept, older ones deleted once a newer "
+                 "one is complete (0: all)")
+      ->envname("HSDP_KEEP_CHECKPOINTS");
+  app.add_flag("--sync-checkpoint", w.sync_checkpoint,
+               "write checkpoints on the training thread (default: in the "
+               "background)")
+      ->envname("HSDP_SYNC_CHECKPOINT");
   app.add_option("--threads", w.process.threads,
                  "intra-op threads (0: LibTorch default)")
       ->envname("HSDP_THREADS");

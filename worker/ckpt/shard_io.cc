@@ -1,0 +1,465 @@
+#include "worker/ckpt/shard_io.h"
+
+#include <ATen/ATen.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "worker/ckpt/crc32c.h"
+
+namespace hsdp::ckpt {
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr absl::Duration kPublishPoll = absl::Milliseconds(20);
+constexpr char kTmpSuffix[] = ".tmp";
+
+absl::Status Errno(const std::string& what, const std::string& path) {
+  return absl::InternalError(
+      absl::StrCat(what, " ", path, ": ", std::strerror(errno)));
+}
+
+absl::Status WriteAll(int fd, const char* data, int64_t size,
+                      const std::string& path) {
+  while (size > 0) {
+    const ssize_t n = ::write(fd, data, static_cast<size_t>(size));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return Errno("write", path);
+    data += n;
+    size -= n;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SyncDir(const std::string& dir) {
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
+  if (fd < 0) return Errno("open", dir);
+  const int rc = ::fsync(fd);
+  ::close(fd);
+  return rc == 0 ? absl::OkStatus() : Errno("fsync", dir);
+}
+
+// Opens path + ".tmp" for writing; on success `finish` syncs, closes and
+// renames it to `path`.
+class AtomicFile {
+ public:
+  explicit AtomicFile(std::string path)
+      : path_(std::move(path)), tmp_(path_ + kTmpSuffix) {}
+  ~AtomicFile() {
+    if (fd_ >= 0) {
+      ::close(fd_);
+      ::unlink(tmp_.c_str());
+    }
+  }
+  AtomicFile(const AtomicFile&) = delete;
+  AtomicFile& operator=(const AtomicFile&) = delete;
+
+  absl::Status Open() {
+    fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    return fd_ >= 0 ? absl::OkStatus() : Errno("create", tmp_);
+  }
+  absl::Status Write(const char* data, int64_t size) {
+    return WriteAll(fd_, data, size, tmp_);
+  }
+  absl::Status Finish() {
+    if (::fsync(fd_) != 0) return Errno("fsync", tmp_);
+    const int fd = fd_;
+    fd_ = -1;
+    if (::close(fd) != 0) return Errno("close", tmp_);
+    if (::rename(tmp_.c_str(), path_.c_str()) != 0)
+      return Errno("rename", tmp_);
+    return SyncDir(fs::path(path_).parent_path().string());
+  }
+
+ private:
+  std::string path_;
+  std::string tmp_;
+  int fd_ = -1;
+};
+
+absl::StatusOr<std::string> ReadSmallFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot read ", path));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+std::string Rows(int64_t begin, int64_t end) {
+  return absl::StrCat("rows [", begin, ", ", end, ")");
+}
+
+}  // namespace
+
+std::string DtypeName(c10::ScalarType type) {
+  switch (type) {
+    case at::kFloat:
+      return "float32";
+    case at::kDouble:
+      return "float64";
+    case at::kHalf:
+      return "float16";
+    case at::kBFloat16:
+      return "bfloat16";
+    case at::kLong:
+      return "int64";
+    case at::kInt:
+      return "int32";
+    case at::kChar:
+      return "int8";
+    case at::kByte:
+      return "uint8";
+    case at::kBool:
+      return "bool";
+    default:
+      return "unsupported";
+  }
+}
+
+absl::StatusOr<c10::ScalarType> ScalarTypeOf(const std::string& dtype) {
+  static const auto* kTypes = new std::map<std::string, c10::ScalarType>{
+      {"float32", at::kFloat}, {"float64", at::kDouble},
+      {"float16", at::kHalf},  {"bfloat16", at::kBFloat16},
+      {"int64", at::kLong},    {"int32", at::kInt},
+      {"int8", at::kChar},     {"uint8", at::kByte},
+      {"bool", at::kBool}};
+  auto it = kTypes->find(dtype);
+  if (it == kTypes->end())
+    return absl::InvalidArgumentError(absl::StrCat("unknown dtype ", dtype));
+  return it->second;
+}
+
+absl::Status WriteFileAtomically(const std::string& path,
+                                 const std::string& contents) {
+  AtomicFile f(path);
+  absl::Status s = f.Open();
+  if (s.ok())
+    s = f.Write(contents.data(), static_cast<int64_t>(contents.size()));
+  if (s.ok()) s = f.Finish();
+  return s;
+}
+
+absl::StatusOr<ShardIndex> WriteShardFile(
+    const std::string& step_dir, const std::string& file_name,
+    const std::vector<LocalTensor>& tensors,
+    const std::map<std::string, int64_t>& optimizer_steps) {
+  ShardIndex index;
+  index.file.name = file_name;
+  index.optimizer_steps = optimizer_steps;
+  AtomicFile data(absl::StrCat(step_dir, "/", file_name));
+  absl::Status s = data.Open();
+  if (!s.ok()) return s;
+  int64_t offset = 0;
+  for (const LocalTensor& t : tensors) {
+    if (t.tensor.device().type() != c10::kCPU || !t.tensor.is_contiguous()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor ", t.name, " is not a contiguous CPU tensor"));
+    }
+    TensorEntry e;
+    e.name = t.name;
+    e.dtype = DtypeName(t.tensor.scalar_type());
+    e.shape = t.global_shape;
+    if (DtypeSize(e.dtype) == 0 || e.shape.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tensor ", t.name, ": dtype ", c10::toString(t.tensor.scalar_type()),
+          " with ", e.shape.size(), " dims cannot be checkpointed"));
+    }
+    const int64_t row_bytes = RowNumel(e.shape) * DtypeSize(e.dtype);
+    const int64_t rows = t.tensor.dim() == 0 ? 1 : t.tensor.size(0);
+    Chunk c;
+    c.file = file_name;
+    c.row_begin = t.row_offset;
+    c.row_end = t.row_offset + rows;
+    c.offset = offset;
+    c.bytes = rows * row_bytes;
+    c.block_rows = BlockRows(row_bytes);
+    if (c.bytes != static_cast<int64_t>(t.tensor.nbytes())) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tensor ", t.name, ": local shape ", c10::str(t.tensor.sizes()),
+          " does not match rows of ", c10::str(c10::IntArrayRef(e.shape))));
+    }
+    const char* bytes = static_cast<const char*>(t.tensor.data_ptr());
+    for (int64_t r = 0; r < rows; r += c.block_rows) {
+      const int64_t n = std::min(c.block_rows, rows - r) * row_bytes;
+      c.crc32c.push_back(Crc32c(bytes + r * row_bytes, static_cast<size_t>(n)));
+    }
+    s = data.Write(bytes, c.bytes);
+    if (!s.ok()) return s;
+    offset += c.bytes;
+    e.chunks.push_back(std::move(c));
+    index.tensors.push_back(std::move(e));
+  }
+  index.file.bytes = offset;
+  s = data.Finish();
+  if (s.ok()) {
+    s = WriteFileAtomically(
+        absl::StrCat(step_dir, "/", ShardIndexName(file_name)),
+        ShardIndexToJson(index));
+  }
+  if (!s.ok()) return s;
+  return index;
+}
+
+absl::Status PublishMetadata(const std::string& step_dir, Metadata base,
+                             int shard_files, absl::Duration timeout,
+                             const std::atomic<bool>* cancelled) {
+  const absl::Time deadline = absl::Now() + timeout;
+  std::map<std::string, TensorEntry> tensors;
+  for (int i = 0; i < shard_files; ++i) {
+    const std::string file = ShardFileName(i, shard_files);
+    const std::string index_path =
+        absl::StrCat(step_dir, "/", ShardIndexName(file));
+    std::error_code ec;
+    while (!fs::exists(index_path, ec)) {
+      if (cancelled != nullptr && cancelled->load()) {
+        return absl::CancelledError(
+            absl::StrCat("checkpoint ", step_dir,
+                         " not published: the worker is exiting "
+                         "before ",
+                         file, " was complete"));
+      }
+      if (absl::Now() > deadline) {
+        return absl::DeadlineExceededError(absl::StrCat(
+            "checkpoint ", step_dir, " not published: ", file,
+            " was not complete after ", absl::FormatDuration(timeout),
+            " (its writer failed or died, or the directory is not shared by "
+            "every rank)"));
+      }
+      absl::SleepFor(kPublishPoll);
+    }
+    absl::StatusOr<std::string> text = ReadSmallFile(index_path);
+    if (!text.ok()) return text.status();
+    absl::StatusOr<ShardIndex> index = ShardIndexFromJson(*text, index_path);
+    if (!index.ok()) return index.status();
+    base.files.push_back(index->file);
+    for (const auto& [param, step] : index->optimizer_steps)
+      base.optimizer_steps.emplace(param, step);
+    for (TensorEntry& t : index->tensors) {
+      auto [it, fresh] = tensors.emplace(t.name, t);
+      if (!fresh) {
+        for (Chunk& c : t.chunks) it->second.chunks.push_back(std::move(c));
+      }
+    }
+  }
+  for (auto& [name, t] : tensors) {
+    // Empty chunks (ranks past the last row) carry nothing.
+    std::vector<Chunk> chunks;
+    for (Chunk& c : t.chunks) {
+      if (c.row_end > c.row_begin) chunks.push_back(std::move(c));
+    }
+    std::sort(chunks.begin(), chunks.end(), [](const Chunk& a, const Chunk& b) {
+      return a.row_begin < b.row_begin;
+    });
+    t.chunks = std::move(chunks);
+    base.tensors.push_back(std::move(t));
+  }
+  const std::string path = absl::StrCat(step_dir, "/", kMetadataFile);
+  absl::Status s = ValidateMetadata(base, path);
+  if (!s.ok()) return s;
+  return WriteFileAtomically(path, MetadataToJson(base));
+}
+
+absl::StatusOr<Metadata> ReadMetadata(const std::string& step_dir) {
+  const std::string path = absl::StrCat(step_dir, "/", kMetadataFile);
+  absl::StatusOr<std::string> text = ReadSmallFile(path);
+  if (!text.ok()) return text.status();
+  absl::StatusOr<Metadata> m = MetadataFromJson(*text, path);
+  if (!m.ok()) return m.status();
+  absl::Status s = ValidateMetadata(*m, path);
+  if (!s.ok()) return s;
+  return m;
+}
+
+RowReader::RowReader(std::string step_dir, const Metadata& metadata)
+    : step_dir_(std::move(step_dir)), metadata_(metadata) {
+  for (const TensorEntry& t : metadata_.tensors) by_name_[t.name] = &t;
+  for (const FileEntry& f : metadata_.files) file_bytes_[f.name] = f.bytes;
+}
+
+RowReader::~RowReader() {
+  for (const auto& [name, fd] : fds_) ::close(fd);
+}
+
+absl::StatusOr<int> RowReader::Open(const std::string& file,
+                                    const TensorEntry& tensor) {
+  auto it = fds_.find(file);
+  if (it != fds_.end()) return it->second;
+  const std::string path = absl::StrCat(step_dir_, "/", file);
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    return absl::DataLossError(
+        absl::StrCat("checkpoint file ", path, " is missing (tensor ",
+                     tensor.name, " has rows there): ", std::strerror(errno)));
+  }
+  struct stat st;
+  if (::fstat(fd, &st) != 0 || st.st_size != file_bytes_[file]) {
+    ::close(fd);
+    return absl::DataLossError(
+        absl::StrCat("checkpoint file ", path, " is truncated or resized: ",
+                     static_cast<int64_t>(st.st_size), " bytes, metadata says ",
+                     file_bytes_[file], " (reading tensor ", tensor.name, ")"));
+  }
+  fds_[file] = fd;
+  return fd;
+}
+
+absl::Status RowReader::Read(const LocalTensor& target) {
+  auto it = by_name_.find(target.name);
+  if (it == by_name_.end()) {
+    return absl::NotFoundError(absl::StrCat(step_dir_, "/", kMetadataFile,
+                                            " has no tensor ", target.name));
+  }
+  const TensorEntry& e = *it->second;
+  if (e.shape != target.global_shape ||
+      e.dtype != DtypeName(target.tensor.scalar_type())) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        step_dir_, "/", kMetadataFile, ": tensor ", target.name, " is ",
+        e.dtype, c10::str(c10::IntArrayRef(e.shape)), ", this model's is ",
+        DtypeName(target.tensor.scalar_type()),
+        c10::str(c10::IntArrayRef(target.global_shape))));
+  }
+  const int64_t want_begin = target.row_offset;
+  const int64_t want_end = target.row_offset + target.tensor.size(0);
+  const int64_t row_bytes = RowNumel(e.shape) * DtypeSize(e.dtype);
+  // Staged on the CPU when the target lives elsewhere (one copy per tensor).
+  at::Tensor host =
+      target.tensor.device().is_cpu() && target.tensor.is_contiguous()
+          ? target.tensor
+          : at::empty(target.tensor.sizes(),
+                      target.tensor.options().device(at::kCPU));
+  char* dst = static_cast<char*>(host.data_ptr());
+  stats_.bytes_needed += (want_end - want_begin) * row_bytes;
+  for (const Chunk& c : e.chunks) {
+    const int64_t begin = std::max(c.row_begin, want_begin);
+    const int64_t end = std::min(c.row_end, want_end);
+    if (begin >= end) continue;
+    absl::StatusOr<int> fd = Open(c.file, e);
+    if (!fd.ok()) return fd.status();
+    const std::string path = absl::StrCat(step_dir_, "/", c.file);
+    // Blocks of the chunk that overlap [begin, end).
+    const int64_t first = (begin - c.row_begin) / c.block_rows;
+    const int64_t last = (end - 1 - c.row_begin) / c.block_rows;
+    for (int64_t b = first; b <= last; ++b) {
+      const int64_t b_begin = c.row_begin + b * c.block_rows;
+      const int64_t b_end = std::min(c.row_end, b_begin + c.block_rows);
+      const int64_t n = (b_end - b_begin) * row_bytes;
+      if (static_cast<int64_t>(buffer_.size()) < n) buffer_.resize(n);
+      const int64_t at = c.offset + (b_begin - c.row_begin) * row_bytes;
+      int64_t got = 0;
+      while (got < n) {
+        const ssize_t r = ::pread(*fd, buffer_.data() + got, n - got, at + got);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) {
+          return absl::DataLossError(
+              absl::StrCat("checkpoint file ", path, " ends inside tensor ",
+                           e.name, " ", Rows(b_begin, b_end)));
+        }
+        got += r;
+      }
+      stats_.bytes_read += n;
+      if (Crc32c(buffer_.data(), n) != c.crc32c[b]) {
+        return absl::DataLossError(absl::StrCat(
+            "checksum mismatch in ", path, ", tensor ", e.name, " ",
+            Rows(b_begin, b_end), " (bytes ", at, "..", at + n, ")"));
+      }
+      const int64_t copy_begin = std::max(begin, b_begin);
+      const int64_t copy_end = std::min(end, b_end);
+      std::memcpy(dst + (copy_begin - want_begin) * row_bytes,
+                  buffer_.data() + (copy_begin - b_begin) * row_bytes,
+                  (copy_end - copy_begin) * row_bytes);
+    }
+  }
+  if (!host.is_same(target.tensor)) target.tensor.copy_(host);
+  return absl::OkStatus();
+}
+
+absl::Status VerifyCheckpoint(const std::string& step_dir,
+                              const Metadata& metadata) {
+  RowReader reader(step_dir, metadata);
+  for (const TensorEntry& t : metadata.tensors) {
+    absl::StatusOr<c10::ScalarType> type = ScalarTypeOf(t.dtype);
+    if (!type.ok()) return type.status();
+    // One block at a time: never the whole tensor in memory.
+    std::vector<int64_t> shape = t.shape;
+    for (const Chunk& c : t.chunks) {
+      for (int64_t r = c.row_begin; r < c.row_end; r += c.block_rows) {
+        shape[0] = std::min(c.block_rows, c.row_end - r);
+        LocalTensor block{t.name, at::empty(shape, at::dtype(*type)), t.shape,
+                          r};
+        absl::Status s = reader.Read(block);
+        if (!s.ok()) return s;
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<FoundCheckpoint> FindLatestCheckpoint(const std::string& root) {
+  FoundCheckpoint found;
+  std::error_code ec;
+  if (root.empty() || !fs::is_directory(root, ec)) return found;
+  std::vector<std::pair<int64_t, std::string>> dirs;
+  for (const auto& entry : fs::directory_iterator(root, ec)) {
+    int64_t step;
+    if (entry.is_directory(ec) &&
+        ParseStepDirName(entry.path().filename().string(), &step)) {
+      dirs.emplace_back(step, entry.path().string());
+    }
+  }
+  std::sort(dirs.rbegin(), dirs.rend());
+  std::string old_format;
+  for (const auto& [step, dir] : dirs) {
+    if (fs::exists(absl::StrCat(dir, "/", kMetadataFile), ec)) {
+      found.step = step;
+      found.dir = dir;
+      return found;
+    }
+    bool has_pt = false;
+    for (const auto& f : fs::directory_iterator(dir, ec)) {
+      const std::string name = f.path().filename().string();
+      has_pt |= absl::StartsWith(name, "rank-") && absl::EndsWith(name, ".pt");
+    }
+    if (has_pt && old_format.empty()) old_format = dir;
+    found.skipped.push_back(absl::StrCat(
+        dir, has_pt ? ": per-rank .pt files of the pre-v1 format, not loadable"
+                    : ": incomplete (no metadata.json; an interrupted save)"));
+  }
+  if (!old_format.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        old_format,
+        " holds per-rank rank-R-of-W.pt files of the pre-v1 checkpoint format, "
+        "which this worker cannot load (no metadata.json); finish that run "
+        "with "
+        "the build that wrote it, or move the directory away to start fresh"));
+  }
+  return found;
+}
+
+std::vector<int64_t> CompleteCheckpointSteps(const std::string& root) {
+  std::vector<int64_t> steps;
+  std::error_code ec;
+  if (!fs::is_directory(root, ec)) return steps;
+  for (const auto& entry : fs::directory_iterator(root, ec)) {
+    int64_t step;
+    if (ParseStepDirName(entry.path().filename().string(), &step) &&
+        fs::exists(entry.path() / kMetadataFile, ec)) {
+      steps.push_back(step);
+    }
+  }
+  std::sort(steps.begin(), steps.end());
+  return steps;
+}
+
+}  // namespace hsdp::ckpt

@@ -1,0 +1,60 @@
+// What of a training rank goes into a checkpoint: the engine's parameter
+// shards (the optimizer's leaves: this rank's valid rows of each dim-0 sharded
+// parameter) and the optimizer's per-parameter state, which has the same rows.
+// Loading creates the optimizer state a fresh optimizer lacks, then fills
+// parameters and state from any mesh's files.
+//
+// Thread-compatible: call on the training thread, between steps.
+#ifndef HSDP_WORKER_CKPT_STATE_H_
+#define HSDP_WORKER_CKPT_STATE_H_
+
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "worker/ckpt/format.h"
+#include "worker/ckpt/shard_io.h"
+
+namespace hsdp::ckpt {
+
+// The parameter shards: `named_shards` as fsdp::Engine::NamedParameters()
+// gives them, their global shapes from `root` (the module's parameters keep
+// their global shape), row offsets by the engine's rule (dim 0 padded to
+// ceil(rows / shard_size) rows per shard).
+absl::StatusOr<std::vector<LocalTensor>> ParamShards(
+    const std::vector<std::pair<std::string, at::Tensor>>& named_shards,
+    const torch::nn::Module& root, int shard_rank, int shard_size);
+
+// "adamw", "adam", "sgd", or "none" for others (their state is not saved).
+std::string OptimizerType(const torch::optim::Optimizer& optimizer);
+
+// The optimizer's state tensors for `params` (those that have state yet), and
+// each such parameter's step counter in `steps`.
+absl::StatusOr<std::vector<LocalTensor>> OptimizerShards(
+    torch::optim::Optimizer& optimizer, const std::vector<LocalTensor>& params,
+    std::map<std::string, int64_t>* steps);
+
+// Every parameter's name matches one in the checkpoint with the same global
+// shape and dtype, and the model is the same: else one line naming the
+// metadata file and the tensor.
+absl::Status CheckModel(const Metadata& metadata, const std::string& step_dir,
+                        const std::string& model_name,
+                        const std::vector<LocalTensor>& params,
+                        const torch::optim::Optimizer& optimizer);
+
+// Creates the state the checkpoint has for `params` where the optimizer has
+// none, sets step counters, and reads parameters and state from `step_dir`
+// (only the rows of this rank's shards).
+absl::Status LoadShards(const std::string& step_dir, const Metadata& metadata,
+                        const std::vector<LocalTensor>& params,
+                        torch::optim::Optimizer& optimizer,
+                        ReadStats* stats = nullptr);
+
+}  // namespace hsdp::ckpt
+
+#endif  // HSDP_WORKER_CKPT_STATE_H_
