@@ -2,7 +2,7 @@
 # exists).
 #
 # Installs under CMAKE_INSTALL_PREFIX:
-#   bin/      hsdp-coordinator, hsdp-worker, hsdpctl, hsdp-launch (hsdp-launch finds the
+#   bin/      hsdp-coordinator, hsdp-worker, hsdpctl, hsdp-launch, hsdp-ckpt (hsdp-launch finds the
 #             coordinator next to itself; --worker-binary launches a user's worker instead)
 #   include/  the public headers (the closure of HSDP_PUBLIC_HEADERS below over the project's own
 #             #include "..." lines) and the generated hsdp/v1/*.pb.h
@@ -15,8 +15,8 @@
 #   hsdp::models  the built-in GPT tasks (worker/models)
 #   hsdp::fsdp    the sharding engine (worker/fsdp/fully_shard.h)
 #   hsdp::comm    communicators and the device mesh (worker/comm)
-#   hsdp::common, hsdp::proto, hsdp::grpc, hsdp::agent (and hsdp::nccl when built): what the
-#                 above link; a user links hsdp::worker (or hsdp::fsdp for the bare engine).
+#   hsdp::common, hsdp::proto, hsdp::grpc, hsdp::agent, hsdp::ckpt (and hsdp::nccl when built):
+#                 what the above link; a user links hsdp::worker (or hsdp::fsdp for the bare engine).
 # The libraries are static: a static library's private dependencies are part of its link
 # interface, so each of them is exported too, and the config finds the external ones (Torch, gRPC,
 # protobuf, Abseil, Gloo, CLI11, CUDA for hsdp::nccl) with find_dependency.
@@ -37,6 +37,7 @@ if(HSDP_BUILD_WORKER)
     hsdp_comm:comm
     hsdp_fsdp:fsdp
     hsdp_agent:agent
+    hsdp_ckpt:ckpt
     hsdp_train:worker
     hsdp_models:models)
   if(TARGET hsdp_nccl)
@@ -93,7 +94,7 @@ install(TARGETS ${_hsdp_export_targets}
 
 set(_hsdp_binaries hsdp-coordinator hsdpctl)
 if(HSDP_BUILD_WORKER)
-  list(APPEND _hsdp_binaries hsdp-worker hsdp-launch)
+  list(APPEND _hsdp_binaries hsdp-worker hsdp-launch hsdp-ckpt)
 endif()
 # Shared libraries linked from outside the system's directories (e.g. NCCL under /usr/local/cuda)
 # stay findable from the installed binaries.

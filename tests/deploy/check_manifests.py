@@ -417,8 +417,16 @@ class Checker:
         self.check_job_token(sts, env)
         ckpt = env.get("HSDP_CHECKPOINT_DIR")
         vol, _ = self.file_source(sts, ckpt) if ckpt else (None, None)
-        if vol is None or "volumeClaimTemplate" not in vol:
-            self.fail(f"HSDP_CHECKPOINT_DIR {ckpt!r} is not on a per-rank volume")
+        # Checkpoint format v1: every rank reads and writes one directory (rows of any shard are
+        # read on resume at another mesh), so it must be one claim every pod mounts, ReadWriteMany.
+        claim = ((vol or {}).get("persistentVolumeClaim") or {}).get("claimName")
+        pvc = m.one(self.objs, "PersistentVolumeClaim", name=claim) if claim else None
+        if pvc is None:
+            self.fail(f"HSDP_CHECKPOINT_DIR {ckpt!r} is not on a volume every worker shares "
+                      f"(a PersistentVolumeClaim)")
+        elif "ReadWriteMany" not in (pvc.get("spec", {}).get("accessModes") or []):
+            self.fail(f"HSDP_CHECKPOINT_DIR {ckpt!r} is on claim {claim}, which is not "
+                      f"ReadWriteMany")
         limits = (c.get("resources") or {}).get("limits") or {}
         device = env.get("HSDP_DEVICE", "cpu")
         mounts = self.mounts_by_path(sts)
