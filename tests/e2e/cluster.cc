@@ -89,6 +89,21 @@ std::string Field(const std::string& line, const std::string& key) {
   return line.substr(at, line.find_first_of(",}", at) - at);
 }
 
+void ExpectSameLosses(const std::vector<std::string>& report_paths,
+                      const std::vector<std::vector<StepRecord>>& base,
+                      int steps) {
+  ASSERT_EQ(report_paths.size(), base.size());
+  for (size_t r = 0; r < report_paths.size(); ++r) {
+    std::vector<StepRecord> got = ReadReport(report_paths[r]);
+    ASSERT_EQ(got.size(), static_cast<size_t>(steps)) << "rank " << r;
+    for (int s = 0; s < steps; ++s) {
+      EXPECT_EQ(got[s].step, s) << "rank " << r;
+      EXPECT_EQ(got[s].loss_hex, base[r][s].loss_hex)
+          << "rank " << r << " step " << s;
+    }
+  }
+}
+
 std::vector<StepRecord> ReadReport(const std::string& path) {
   std::vector<StepRecord> out;
   for (const std::string& line : Lines(ReadFile(path))) {

@@ -55,6 +55,12 @@ struct StepRecord {
 std::vector<StepRecord> ReadReport(const std::string& path);
 int64_t StepsReported(const std::string& path);
 
+// Every report file (`report_paths[r]` for rank r) holds steps 0..steps-1
+// exactly once, with losses bitwise equal to `base[r]`.
+void ExpectSameLosses(const std::vector<std::string>& report_paths,
+                      const std::vector<std::vector<StepRecord>>& base,
+                      int steps);
+
 // A LibTorch archive of named tensors (--final-params).
 std::map<std::string, at::Tensor> LoadParams(const std::string& path);
 
