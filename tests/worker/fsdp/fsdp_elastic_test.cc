@@ -118,8 +118,8 @@ StateDict TrainSingleProcess(const StateDict& init, const RunConfig& config) {
 }
 
 TEST(FsdpElasticTest, SurvivorsRebindMidBackwardAndMatchReference) {
-  const RunConfig before = ElasticConfig(/*microbatches=*/1);
-  const RunConfig after = ElasticConfig(/*microbatches=*/2);
+  const RunConfig before = ElasticConfig(/*microbatches=*/2);
+  const RunConfig after = ElasticConfig(/*microbatches=*/4);
   const StateDict init = MakeInitialState(before.dims, /*seed=*/7);
   const comm::MeshShape big{/*replicate=*/2, /*shard=*/2};
   const comm::MeshShape small{/*replicate=*/1, /*shard=*/2};
@@ -168,20 +168,30 @@ TEST(FsdpElasticTest, SurvivorsRebindMidBackwardAndMatchReference) {
         ShardHistory history;
         TrainSteps(*engine, model, optimizer, before, ctx.rank,
                    big.world_size(), 0, kFailStep, &history);
-        if (ctx.rank >= 2) {  // replica 1 "dies" before step kFailStep
-          for (absl::Notification& n : survivor_aborted)
-            n.WaitForNotification();
-          return;
-        }
-        // Step kFailStep: forward completes, backward is cut off.
+        // Step kFailStep: microbatch 0 completes everywhere (its gradients
+        // reach the sharded grads); then replica 1 "dies", and the
+        // survivors' microbatch 1 forward completes and its backward is cut
+        // off.
         const hsdp::v1::StepSchedule schedule = PlanSchedule(*engine, before);
-        ASSERT_TRUE(engine->Apply(schedule, 0).ok());
         const int local = kGlobalBatch / big.world_size();
-        {
-          auto [tokens, targets] =
-              Batch(before.dims, kFailStep, ctx.rank * local, local);
+        const int per_mb = local / before.microbatches;
+        for (int mb = 0; mb < before.microbatches; ++mb) {
+          if (mb == 1 && ctx.rank >= 2) {
+            for (absl::Notification& n : survivor_aborted)
+              n.WaitForNotification();
+            return;
+          }
+          absl::Status applied = engine->Apply(schedule, mb);
+          ASSERT_TRUE(applied.ok()) << applied;
+          auto [tokens, targets] = Batch(
+              before.dims, kFailStep, ctx.rank * local + mb * per_mb, per_mb);
           at::Tensor loss =
-              Loss(EngineForward(*engine, model, tokens, false), targets);
+              Loss(EngineForward(*engine, model, tokens, false), targets) /
+              before.microbatches;
+          if (mb == 0) {
+            loss.backward();
+            continue;
+          }
           const absl::Time start = absl::Now();
           std::thread watchdog([&] {
             absl::SleepFor(kAbortDelay);
@@ -193,8 +203,22 @@ TEST(FsdpElasticTest, SurvivorsRebindMidBackwardAndMatchReference) {
           watchdog.join();
           // Ended by the abort, not by the collective timeout.
           EXPECT_LT(absl::Now() - start, kCollectiveTimeout / 2);
-        }  // the failed step's graph goes here
+        }  // each microbatch's graph is dropped with its loss
+        bool had_grads = false;
+        for (const at::Tensor& p : engine->Parameters()) {
+          had_grads = had_grads || (p.grad().defined() &&
+                                    p.grad().abs().sum().item<double>() > 0);
+        }
+        EXPECT_TRUE(had_grads);  // microbatch 0's, to be dropped
         EXPECT_FALSE(engine->status().ok());
+        {
+          // What the failed step left: units unsharded (no reshard after
+          // forward), gradients, the all-reduce's buffer.
+          const EngineStats left = engine->Stats();
+          EXPECT_GT(left.unsharded_bytes_alive, 0);
+          EXPECT_GT(left.grad_bytes, 0);
+          EXPECT_GT(left.comm_buffer_bytes, 0);
+        }
 
         std::unique_ptr<comm::DeviceMesh> mesh =
             NewMesh(small, ctx.rank, new_store, "elastic-generation-1");
