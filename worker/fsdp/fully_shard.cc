@@ -374,8 +374,8 @@ absl::Status Engine::Rebind(MeshComms comms) {
   if (comms.shard == nullptr) {
     return absl::InvalidArgumentError("Rebind: MeshComms.shard is null");
   }
-  const int old_size = core_->shard_size();
-  const int old_rank = core_->shard_rank();
+  const int old_size = core_->layout_shard_size;
+  const int old_rank = core_->layout_shard_rank;
   if (comms.shard->size() != old_size || comms.shard->rank() != old_rank) {
     return absl::FailedPreconditionError(absl::StrCat(
         "Rebind: the new shard group is rank ", comms.shard->rank(), " of ",

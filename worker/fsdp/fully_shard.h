@@ -300,6 +300,8 @@ class Engine {
   // and rank (or be null); gradients are then averaged over the new mesh, so
   // keep the global batch fixed by giving each rank its new share.
   // `comms` is not owned and must outlive the engine (or the next Rebind).
+  // The old communicators are not used, but the dropped works were theirs:
+  // destroy them only after Rebind returned.
   absl::Status Rebind(MeshComms comms);
 
   // Records per-unit spans (forward, backward, collective waits, collectives

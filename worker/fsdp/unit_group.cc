@@ -57,7 +57,11 @@ void FlatBufferPool::Release(at::Tensor& buffer) {
 
 EngineCore::EngineCore(std::shared_ptr<torch::nn::Module> root_module,
                        MeshComms mesh_comms, EngineOptions engine_options)
-    : root(std::move(root_module)), mesh(mesh_comms), options(engine_options) {}
+    : root(std::move(root_module)),
+      mesh(mesh_comms),
+      layout_shard_rank(mesh_comms.shard->rank()),
+      layout_shard_size(mesh_comms.shard->size()),
+      options(engine_options) {}
 
 void EngineCore::Fail(const absl::Status& error) {
   if (status.ok()) status = error;

@@ -135,6 +135,10 @@ class EngineCore {
 
   std::shared_ptr<torch::nn::Module> root;
   MeshComms mesh;
+  // The shard group the shards were cut for (from Create): Rebind keeps it
+  // and checks against these, not the old communicator, which it never uses.
+  int layout_shard_rank = 0;
+  int layout_shard_size = 1;
   EngineOptions options;
   std::vector<std::unique_ptr<UnitGroup>>
       units;  // index 0 = root once finalized
