@@ -706,8 +706,8 @@ void UnitGroup::ReleaseReductionBuffers() {
 }
 
 void UnitGroup::DiscardStep() {
-  // The works first: a Work may hold the last reference to nothing of ours,
-  // but the buffers below must outlive any backend bookkeeping of it.
+  // Never waited: the communicator was aborted (Abort returned OK), so no
+  // collective reads or writes the buffers freed below any more.
   ag_work_.reset();
   rs_work_.reset();
   core_->buffers.Release(ag_output_);
