@@ -16,6 +16,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "tests/worker/fsdp/fsdp_test_util.h"
+#include "tests/worker/fsdp/recording_communicator.h"
 #include "worker/comm/device_mesh.h"
 #include "worker/comm/in_memory_store.h"
 #include "worker/fsdp/fully_shard.h"
@@ -99,6 +100,17 @@ std::unique_ptr<comm::DeviceMesh> NewMesh(comm::MeshShape shape, int rank,
   return mesh.ok() ? std::move(*mesh) : nullptr;
 }
 
+// The engine's communicators over `mesh`: its own (segments path), or with
+// `flat` wrappers hiding segment support (NCCL's flat path), owned by
+// `holder`.
+MeshComms CommsFor(comm::DeviceMesh& mesh, bool flat,
+                   std::vector<std::unique_ptr<comm::Communicator>>& holder) {
+  if (!flat) return MeshComms{&mesh.shard(), &mesh.replicate()};
+  holder.push_back(std::make_unique<FlatOnlyCommunicator>(&mesh.shard()));
+  holder.push_back(std::make_unique<FlatOnlyCommunicator>(&mesh.replicate()));
+  return MeshComms{holder[holder.size() - 2].get(), holder.back().get()};
+}
+
 // Single-process SGD on the global batch.
 StateDict TrainSingleProcess(const StateDict& init, const RunConfig& config) {
   TinyTransformer model = MakeModel(config.dims, init);
@@ -117,7 +129,11 @@ StateDict TrainSingleProcess(const StateDict& init, const RunConfig& config) {
   return out;
 }
 
-TEST(FsdpElasticTest, SurvivorsRebindMidBackwardAndMatchReference) {
+// Param: the flat path (else segments).
+class FsdpElasticPathTest : public ::testing::TestWithParam<bool> {};
+
+TEST_P(FsdpElasticPathTest, SurvivorsRebindMidBackwardAndMatchReference) {
+  const bool flat = GetParam();
   const RunConfig before = ElasticConfig(/*microbatches=*/2);
   const RunConfig after = ElasticConfig(/*microbatches=*/4);
   const StateDict init = MakeInitialState(before.dims, /*seed=*/7);
@@ -130,7 +146,9 @@ TEST(FsdpElasticTest, SurvivorsRebindMidBackwardAndMatchReference) {
   StateDict handover;
   RunOnMesh(big, [&](RankContext& ctx) {
     TinyTransformer model = MakeModel(before.dims, init);
-    std::unique_ptr<Engine> engine = MakeEngine(model, ctx.comms(), before);
+    std::vector<std::unique_ptr<comm::Communicator>> wrappers;
+    std::unique_ptr<Engine> engine =
+        MakeEngine(model, CommsFor(*ctx.mesh, flat, wrappers), before);
     torch::optim::SGD optimizer(engine->Parameters(),
                                 torch::optim::SGDOptions(kLr));
     ShardHistory history;
@@ -144,7 +162,9 @@ TEST(FsdpElasticTest, SurvivorsRebindMidBackwardAndMatchReference) {
   ASSERT_FALSE(handover.empty());
   RunOnMesh(small, [&](RankContext& ctx) {
     TinyTransformer model = MakeModel(after.dims, handover);
-    std::unique_ptr<Engine> engine = MakeEngine(model, ctx.comms(), after);
+    std::vector<std::unique_ptr<comm::Communicator>> wrappers;
+    std::unique_ptr<Engine> engine =
+        MakeEngine(model, CommsFor(*ctx.mesh, flat, wrappers), after);
     torch::optim::SGD optimizer(engine->Parameters(),
                                 torch::optim::SGDOptions(kLr));
     TrainSteps(*engine, model, optimizer, after, ctx.rank, small.world_size(),
@@ -162,7 +182,9 @@ TEST(FsdpElasticTest, SurvivorsRebindMidBackwardAndMatchReference) {
       big,
       [&](RankContext& ctx) {
         TinyTransformer model = MakeModel(before.dims, init);
-        std::unique_ptr<Engine> engine = MakeEngine(model, ctx.comms(), before);
+        std::vector<std::unique_ptr<comm::Communicator>> wrappers;
+        std::unique_ptr<Engine> engine =
+            MakeEngine(model, CommsFor(*ctx.mesh, flat, wrappers), before);
         torch::optim::SGD optimizer(engine->Parameters(),
                                     torch::optim::SGDOptions(kLr));
         ShardHistory history;
@@ -223,8 +245,7 @@ TEST(FsdpElasticTest, SurvivorsRebindMidBackwardAndMatchReference) {
         std::unique_ptr<comm::DeviceMesh> mesh =
             NewMesh(small, ctx.rank, new_store, "elastic-generation-1");
         ASSERT_NE(mesh, nullptr);
-        absl::Status rebound =
-            engine->Rebind(MeshComms{&mesh->shard(), &mesh->replicate()});
+        absl::Status rebound = engine->Rebind(CommsFor(*mesh, flat, wrappers));
         ASSERT_TRUE(rebound.ok()) << rebound;
         EXPECT_TRUE(engine->status().ok()) << engine->status();
         const EngineStats stats = engine->Stats();
@@ -264,6 +285,11 @@ TEST(FsdpElasticTest, SurvivorsRebindMidBackwardAndMatchReference) {
   EXPECT_LE(MaxAbsDiff(elastic_full, single), kParityTolerance);
   EXPECT_GT(MaxAbsDiff(elastic_full, init), 1e-3);  // it did train
 }
+
+INSTANTIATE_TEST_SUITE_P(Paths, FsdpElasticPathTest, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return info.param ? "Flat" : "Segments";
+                         });
 
 TEST(FsdpElasticTest, RebindRefusesAnotherShardGroup) {
   const RunConfig config = ElasticConfig(/*microbatches=*/1);
