@@ -370,6 +370,23 @@ std::vector<std::pair<std::string, at::Tensor>> Engine::NamedParameters()
 
 absl::Status Engine::status() const { return core_->status; }
 
+absl::Status Engine::Rebind(MeshComms comms) {
+  if (comms.shard == nullptr) {
+    return absl::InvalidArgumentError("Rebind: MeshComms.shard is null");
+  }
+  const int old_size = core_->layout_shard_size;
+  const int old_rank = core_->layout_shard_rank;
+  if (comms.shard->size() != old_size || comms.shard->rank() != old_rank) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "Rebind: the new shard group is rank ", comms.shard->rank(), " of ",
+        comms.shard->size(), ", the engine's shards are rank ", old_rank,
+        " of ", old_size, " (only the replicate group may change)"));
+  }
+  core_->DiscardStep();
+  core_->mesh = comms;
+  return absl::OkStatus();
+}
+
 void Engine::SetTraceRecorder(TraceRecorder* recorder) {
   core_->trace = recorder;
 }

@@ -274,9 +274,35 @@ class Engine {
   // Same, with their fully qualified names.
   std::vector<std::pair<std::string, at::Tensor>> NamedParameters() const;
 
-  // First collective error since Create (sticky): once set, the engine stops
-  // issuing collectives.
+  // First collective error since Create or the last Rebind (sticky): once
+  // set, the engine stops issuing collectives.
   absl::Status status() const;
+
+  // Elastic recovery: abandons the interrupted step and continues on `comms`.
+  // Call on the training thread, between steps (after the failed step's
+  // forward/backward was left by its c10::Error and every tensor of it —
+  // loss, outputs — was dropped), and only once the old communicators were
+  // aborted and Abort returned OK (comm::Communicator::Abort: then no
+  // collective touches the engine's buffers any more).
+  //
+  // Drops, without waiting: every all-gather, reduce-scatter and all-reduce
+  // in flight, the flat buffers, the unsharded parameter storage (every unit
+  // back to sharded, as after a normal reshard), the unsharded and sharded
+  // gradients (the failed step is discarded: sharded grads become undefined),
+  // pending and partial (not yet all-reduced) reductions, the per-pass flags,
+  // recompute state and the sticky error. Keeps: the sharded parameters
+  // exactly as the last completed optimizer step left them (so an optimizer
+  // holding Parameters() keeps working), the units, options and stats.
+  //
+  // The shard group must keep its size and this rank's place in it (the
+  // shards are not redistributed): FAILED_PRECONDITION naming both
+  // otherwise, and nothing changes. The replicate group may differ in size
+  // and rank (or be null); gradients are then averaged over the new mesh, so
+  // keep the global batch fixed by giving each rank its new share.
+  // `comms` is not owned and must outlive the engine (or the next Rebind).
+  // The old communicators are not used, but the dropped works were theirs:
+  // destroy them only after Rebind returned.
+  absl::Status Rebind(MeshComms comms);
 
   // Records per-unit spans (forward, backward, collective waits, collectives
   // in flight) into `recorder` until set back to null (the default: nothing

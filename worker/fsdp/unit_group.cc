@@ -57,7 +57,11 @@ void FlatBufferPool::Release(at::Tensor& buffer) {
 
 EngineCore::EngineCore(std::shared_ptr<torch::nn::Module> root_module,
                        MeshComms mesh_comms, EngineOptions engine_options)
-    : root(std::move(root_module)), mesh(mesh_comms), options(engine_options) {}
+    : root(std::move(root_module)),
+      mesh(mesh_comms),
+      layout_shard_rank(mesh_comms.shard->rank()),
+      layout_shard_size(mesh_comms.shard->size()),
+      options(engine_options) {}
 
 void EngineCore::Fail(const absl::Status& error) {
   if (status.ok()) status = error;
@@ -210,6 +214,19 @@ void EngineCore::ResetPassFlags() {
     unit->pre_backward_done = false;
     unit->post_backward_done = false;
   }
+}
+
+void EngineCore::DiscardStep() {
+  for (auto& unit : units) {
+    if (unit != nullptr) unit->DiscardStep();
+  }
+  pending_reductions.clear();
+  callback_queued = false;
+  recompute_depth = 0;
+  checkpoint_fns.clear();
+  forward_start_meter.reset();
+  in_flight_grad_bytes = 0;
+  status = absl::OkStatus();
 }
 
 UnitGroup::UnitGroup(EngineCore* core, int index, std::string name,
@@ -686,6 +703,41 @@ void UnitGroup::ReleaseReductionBuffers() {
     core_->buffers.Release(rs_output_);
   }
   core_->buffers.Release(rs_scratch_);
+}
+
+void UnitGroup::DiscardStep() {
+  // Never waited: the communicator was aborted (Abort returned OK), so no
+  // collective reads or writes the buffers freed below any more.
+  ag_work_.reset();
+  rs_work_.reset();
+  core_->buffers.Release(ag_output_);
+  core_->buffers.Release(ag_input_);
+  ReleaseReductionBuffers();
+  rs_input_.reset();
+  rs_output_.reset();
+  rs_grads_.clear();
+  core_->in_flight_grad_bytes -= rs_grad_bytes_;
+  rs_grad_bytes_ = 0;
+  rs_in_place_ = false;
+  rs_all_reduce_ = false;
+  reduction_pending_ = false;
+  partial_reduce_.reset();
+  had_grad_.clear();
+  direct_grads_.clear();
+  for (ShardedParam* p : params()) {
+    p->ClearUnshardedGrad();
+    if (p->unsharded_allocated()) {
+      p->FreeUnsharded();
+      stats_.unsharded_bytes_alive -= p->unsharded_bytes();
+      core_->AddUnshardedBytes(-p->unsharded_bytes());
+    }
+    // The failed step's partial gradient must not reach the next step.
+    if (p->sharded().grad().defined()) p->sharded().mutable_grad().reset();
+  }
+  state_ = State::kSharded;
+  forwarded = false;
+  pre_backward_done = false;
+  post_backward_done = false;
 }
 
 int64_t UnitGroup::FlatBufferBytes() const {

@@ -117,6 +117,11 @@ class EngineCore {
   // reductions, resets the per-backward flags.
   void EndOfBackward();
   void ResetPassFlags();
+  // Engine::Rebind's reset: every unit's DiscardStep, then the engine-wide
+  // per-step state (pending reductions, the end-of-backward callback flag,
+  // recompute state, the forward measure, the sticky error). The communicators
+  // must already be aborted (no collective touches the buffers any more).
+  void DiscardStep();
 
   // Engine::Stats() and ResetStats(): the units' stats summed, the peaks, the
   // memory meter's readings (memory_meter.h) and the accounting in the memory
@@ -130,6 +135,10 @@ class EngineCore {
 
   std::shared_ptr<torch::nn::Module> root;
   MeshComms mesh;
+  // The shard group the shards were cut for (from Create): Rebind keeps it
+  // and checks against these, not the old communicator, which it never uses.
+  int layout_shard_rank = 0;
+  int layout_shard_size = 1;
   EngineOptions options;
   std::vector<std::unique_ptr<UnitGroup>>
       units;  // index 0 = root once finalized
@@ -209,6 +218,13 @@ class UnitGroup {
   // Waits the issued reduce-scatter (and all-reduce) and accumulates into the
   // sharded grads.
   void FinishReduction();
+
+  // Drops the unit's part of an interrupted step without waiting or issuing
+  // anything: the in-flight works (never waited), the flat buffers, the
+  // unsharded storage and gradients, pending and partial reductions and the
+  // sharded grads; the unit is kSharded with every pass flag cleared. Only
+  // after the communicators were aborted (their buffers are free to go).
+  void DiscardStep();
 
   // Bytes of the flat buffers one collective of this unit uses (pool limit).
   int64_t FlatBufferBytes() const;
