@@ -6,6 +6,10 @@
 #   asan           GCC, ASan + UBSan (-fsanitize=address,undefined; any UBSan finding aborts),
 #                  the whole tree in build-asan, then the fast test set (ctest -LE slow). Not in
 #                  .ci/run yet (its time on a 2-core machine is unmeasured).
+#   asan-coordinator
+#                  the same over the torch-free half only (-DHSDP_BUILD_WORKER=OFF: coordinator,
+#                  common, hsdpctl, fuzz replays) in build-asan-coordinator; .ci/run runs it after
+#                  ./deploy/test.sh.
 #   tsan           GCC, TSan, the whole tree in build-tsan, then the coordinator, agent,
 #                  communicator and engine tests (labels coordinator|comm|fsdp|worker, no slow or
 #                  e2e). Abseil's Mutex is annotated for TSan by tests/tsan/absl_mutex_tsan.cc;
@@ -28,7 +32,7 @@ jobs="${HSDP_SANITIZE_JOBS:-$(nproc)}"
 fuzz_seconds="${FUZZ_SECONDS:-60}"
 
 usage() {
-  sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 }
 [ $# -ge 1 ] || usage
@@ -51,17 +55,28 @@ configure() {
   }
 }
 
-run_asan() {
-  configure build-asan -DCMAKE_CXX_COMPILER=g++ -DHSDP_SANITIZE=address,undefined
-  timed "asan build" cmake --build build-asan -j "$jobs"
+# ASan + UBSan build in $1 (extra cmake arguments after it), then its fast test set.
+asan_build_and_test() {
+  local dir="$1"
+  shift
+  configure "$dir" -DCMAKE_CXX_COMPILER=g++ -DHSDP_SANITIZE=address,undefined "$@"
+  timed "$dir build" cmake --build "$dir" -j "$jobs"
   # Leaks: checked (LeakSanitizer), with the few one-time allocations of the dependencies that
   # live until exit suppressed in tests/sanitize/lsan.supp. Stack use after return is checked too.
   # shellcheck disable=SC2086
-  timed "asan tests (ctest -LE slow)" env \
+  timed "$dir tests (ctest -LE slow)" env \
     ASAN_OPTIONS="abort_on_error=1:detect_leaks=1:detect_stack_use_after_return=1:strict_string_checks=1:check_initialization_order=1" \
     LSAN_OPTIONS="suppressions=$root/tests/sanitize/lsan.supp:print_suppressions=0" \
     UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:suppressions=$root/tests/sanitize/ubsan.supp" \
-    ctest --test-dir build-asan --output-on-failure -j "$jobs" -LE slow ${HSDP_SANITIZE_CTEST_ARGS:-}
+    ctest --test-dir "$dir" --output-on-failure -j "$jobs" -LE slow ${HSDP_SANITIZE_CTEST_ARGS:-}
+}
+
+run_asan() { asan_build_and_test build-asan; }
+
+# The torch-free half (coordinator, common, hsdpctl, the fuzz replays): about 11 minutes on 2
+# cores, which .ci/run affords.
+run_asan_coordinator() {
+  asan_build_and_test build-asan-coordinator -DHSDP_BUILD_WORKER=OFF -DHSDP_BUILD_BENCH=OFF
 }
 
 run_tsan() {
@@ -119,7 +134,7 @@ run_fuzz() {
 configs=()
 for c in "$@"; do
   case "$c" in
-  asan | tsan | thread-safety | fuzz) configs+=("$c") ;;
+  asan | asan-coordinator | tsan | thread-safety | fuzz) configs+=("$c") ;;
   all) configs+=(asan tsan thread-safety fuzz) ;;
   -h | --help) usage ;;
   *)
