@@ -206,9 +206,7 @@ grpc::Status ControlServiceImpl::StartTrace(
     hsdp::v1::StartTraceResponse* response) {
   return ServeTracked(core_.calls, [&]() -> absl::Status {
     HSDP_RETURN_IF_ERROR(Authenticate(*context));
-    if (core_.traces == nullptr) {
-      return absl::UnimplementedError("this coordinator collects no traces");
-    }
+    HSDP_RETURN_IF_ERROR(CollectorOf(core_).status());
     HSDP_ASSIGN_OR_RETURN(
         auto range, core_.schedule_log->RequestTrace(request->first_step(),
                                                      request->last_step()));
@@ -218,12 +216,19 @@ grpc::Status ControlServiceImpl::StartTrace(
   });
 }
 
-absl::StatusOr<RenderedTrace> RenderTrace(const CoordinatorCore& core,
-                                          int64_t first_step,
-                                          int64_t last_step) {
+absl::StatusOr<TraceCollector*> CollectorOf(const CoordinatorCore& core) {
+  // Every hsdp-coordinator has one; only cores assembled without it (tests,
+  // benchmarks) answer this.
   if (core.traces == nullptr) {
     return absl::UnimplementedError("this coordinator collects no traces");
   }
+  return core.traces;
+}
+
+absl::StatusOr<RenderedTrace> RenderTrace(const CoordinatorCore& core,
+                                          int64_t first_step,
+                                          int64_t last_step) {
+  HSDP_ASSIGN_OR_RETURN(TraceCollector * traces, CollectorOf(core));
   // A step's ranks: the world size it was sealed for (0 until sealed).
   auto expected = [&core](int64_t step) -> int {
     absl::StatusOr<std::shared_ptr<const SealedSchedule>> sealed =
@@ -231,7 +236,7 @@ absl::StatusOr<RenderedTrace> RenderTrace(const CoordinatorCore& core,
     if (!sealed.ok() || !(*sealed)->schedule.trace()) return 0;
     return std::max(1, (*sealed)->schedule.world_size());
   };
-  return core.traces->Render(first_step, last_step, expected);
+  return traces->Render(first_step, last_step, expected);
 }
 
 grpc::Status ControlServiceImpl::GetTrace(

@@ -36,6 +36,9 @@ void FillPolicy(const CoordinatorCore& core,
 absl::StatusOr<PolicyInfo> ApplyPolicy(const CoordinatorCore& core,
                                        const hsdp::v1::Policy& policy);
 
+// The core's trace collector; UNIMPLEMENTED when the core has none.
+absl::StatusOr<TraceCollector*> CollectorOf(const CoordinatorCore& core);
+
 // Steps first..last of the collected traces as Chrome trace JSON, each step
 // expecting the ranks it was sealed for (GetTrace's body). UNIMPLEMENTED when
 // the coordinator collects no traces.

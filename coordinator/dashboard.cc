@@ -193,17 +193,15 @@ void Dashboard::Register(HttpServer& server) const {
 }
 
 HttpResponse Dashboard::GetTrace(const HttpRequest& request) const {
-  if (core_.traces == nullptr) {
-    return ErrorResponse(
-        absl::UnimplementedError("this coordinator collects no traces"));
-  }
+  absl::StatusOr<TraceCollector*> traces = CollectorOf(core_);
+  if (!traces.ok()) return ErrorResponse(traces.status());
   const std::string first_text = QueryParam(request.query, "first");
   const std::string last_text = QueryParam(request.query, "last");
   int64_t first = 0;
   int64_t last = 0;
   if (first_text.empty() && last_text.empty()) {
     const std::optional<std::pair<int64_t, int64_t>> latest =
-        core_.traces->LatestRange(kDashboardTraceSteps);
+        (*traces)->LatestRange(kDashboardTraceSteps);
     if (!latest.has_value()) {
       return ErrorResponse(absl::NotFoundError(
           "no step has been traced yet: hsdpctl trace --steps A..B"));
