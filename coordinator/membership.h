@@ -375,6 +375,9 @@ class Membership {
     // Votes on the step being committed (last committed + 1), by rank.
     std::vector<bool> voted;
     int votes = 0;
+    // The step the votes are for, while no step of the job has committed (a
+    // job resumed from a checkpoint first commits the step after it).
+    int64_t vote_step = -1;
     // A membership change waiting for a step boundary since then.
     std::optional<absl::Time> grow_since;
     std::optional<absl::Time> evict_since;

@@ -425,12 +425,19 @@ absl::StatusOr<CommitResult> Membership::CommitStep(int64_t worker_id,
       return absl::FailedPreconditionError(absl::StrCat(
           "worker ", worker_id, " is not a member of generation ", current));
     }
-    if (step != last_committed_ + 1) {
+    // The next step, or — before the job's first commit — the step of the
+    // first vote (the job may have resumed from a checkpoint).
+    const int64_t expected =
+        last_committed_ >= 0 ? last_committed_ + 1
+        : current_.votes > 0 ? current_.vote_step
+                             : step;
+    if (step != expected) {
       return absl::OutOfRangeError(
           absl::StrCat("step ", step, " is not the next step to commit (",
-                       last_committed_ + 1, ") in generation ", current));
+                       expected, ") in generation ", current));
     }
     if (current_.phase == Phase::kActive) {
+      if (current_.votes == 0) current_.vote_step = step;
       if (!current_.voted[rank]) {
         current_.voted[rank] = true;
         ++current_.votes;

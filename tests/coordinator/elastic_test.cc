@@ -231,6 +231,28 @@ TEST_F(ElasticTest, EvictWithoutAStepBoundaryEndsAfterTheJoinWait) {
   EXPECT_EQ(m->job_state(), hsdp::v1::JOB_STATE_REFORMING);
 }
 
+// A job resumed from a checkpoint first votes for the step after it: the
+// first commit of the job takes the step of its first vote; a vote for another
+// step meanwhile is out of range, and later steps follow one by one.
+TEST_F(ElasticTest, FirstCommitOfAResumedJobIsTheStepAfterItsCheckpoint) {
+  auto m = Make({1, 2});
+  const std::vector<int64_t> ids = JoinAll(*m);
+  Membership& membership = *m;
+  const int64_t first = ids[0];
+  std::future<absl::StatusOr<CommitResult>> vote =
+      std::async(std::launch::async, [&membership, first] {
+        return membership.CommitStep(first, 0, 7, absl::Now() + kPoll);
+      });
+  absl::SleepFor(absl::Milliseconds(50));
+  EXPECT_EQ(m->CommitStep(ids[1], 0, 6, absl::Now()).status().code(),
+            absl::StatusCode::kOutOfRange);
+  ASSERT_TRUE(m->CommitStep(ids[1], 0, 7, absl::Now() + kPoll).ok());
+  ASSERT_TRUE(vote.get().ok());
+  EXPECT_EQ(m->last_committed_step(), 7);
+  EXPECT_EQ(m->CommitStep(ids[0], 0, 9, absl::Now()).status().code(),
+            absl::StatusCode::kOutOfRange);
+}
+
 // Votes and the end of a generation racing: a failure between votes aborts
 // the waiting voters; a committed step answers the same to a retried vote,
 // also after the generation ended; wrong steps and missing votes are named.

@@ -165,8 +165,31 @@ Cluster::~Cluster() {
   }
 }
 
+namespace {
+
+// argv[0] and `defaults` (flag, value pairs), then `extra`. CLI11 refuses a
+// repeated option: a default that `extra` names again is dropped (with its
+// value), and so is `drop`.
+std::vector<std::string> MergeFlags(const std::vector<std::string>& defaults,
+                                    const std::vector<std::string>& extra,
+                                    const std::string& drop) {
+  std::vector<std::string> merged = {defaults[0]};
+  for (size_t i = 1; i + 1 < defaults.size(); i += 2) {
+    const bool overridden =
+        std::find(extra.begin(), extra.end(), defaults[i]) != extra.end() ||
+        defaults[i] == drop;
+    if (!overridden)
+      merged.insert(merged.end(), {defaults[i], defaults[i + 1]});
+  }
+  merged.insert(merged.end(), extra.begin(), extra.end());
+  return merged;
+}
+
+}  // namespace
+
 void Cluster::StartCoordinator(int world, const std::string& mesh, int port,
-                               const std::string& policy_file) {
+                               const std::string& policy_file,
+                               const std::vector<std::string>& extra) {
   const std::string port_file = dir_ + "/port";
   fs::remove(port_file);
   std::vector<std::string> args = {Bin("hsdp-coordinator"),
@@ -190,7 +213,7 @@ void Cluster::StartCoordinator(int world, const std::string& mesh, int port,
     args.push_back("--policy-file");
     args.push_back(policy_file);
   }
-  coordinator_ = Spawn(args, dir_ + "/coordinator.log");
+  coordinator_ = Spawn(MergeFlags(args, extra, ""), dir_ + "/coordinator.log");
   const auto deadline = Clock::now() + std::chrono::seconds(20);
   while (Clock::now() < deadline) {
     std::string text = ReadFile(port_file);
@@ -227,19 +250,11 @@ Proc Cluster::StartWorker(int rank, const std::vector<std::string>& extra,
                                    "60",
                                    "--coordinator-timeout",
                                    "60"};
-  // CLI11 refuses a repeated option: a default that `extra` names again is
-  // dropped (with its value), and an extra --model drops the GPT's --dims too.
+  // An extra --model drops the GPT's --dims too.
   const bool own_model =
       std::find(extra.begin(), extra.end(), "--model") != extra.end();
-  std::vector<std::string> merged = {args[0]};
-  for (size_t i = 1; i + 1 < args.size(); i += 2) {
-    const bool overridden =
-        std::find(extra.begin(), extra.end(), args[i]) != extra.end() ||
-        (own_model && args[i] == "--dims");
-    if (!overridden) merged.insert(merged.end(), {args[i], args[i + 1]});
-  }
-  merged.insert(merged.end(), extra.begin(), extra.end());
-  return Spawn(merged, absl::StrCat(dir_, "/worker-", rank, ".log"));
+  return Spawn(MergeFlags(args, extra, own_model ? "--dims" : ""),
+               absl::StrCat(dir_, "/worker-", rank, ".log"));
 }
 
 void Cluster::StartWorkers(int n, const std::vector<std::string>& extra,

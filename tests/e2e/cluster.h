@@ -79,8 +79,10 @@ class Cluster {
   Cluster& operator=(const Cluster&) = delete;
 
   // Starts the coordinator (port 0 picks one; a restart passes the old port).
+  // A flag in `extra` replaces the default of the same name.
   void StartCoordinator(int world, const std::string& mesh, int port = 0,
-                        const std::string& policy_file = "");
+                        const std::string& policy_file = "",
+                        const std::vector<std::string>& extra = {});
   // Starts n gpt-tiny workers with kDims. A flag in `extra` replaces the
   // default of the same name; an extra --model replaces gpt-tiny and kDims.
   void StartWorkers(int n, const std::vector<std::string>& extra = {},

@@ -183,9 +183,12 @@ class Agent {
   // ends — before the next one is formed — so the owner can Abort the
   // communicators a training thread may be blocked in. The thread then
   // confirms this worker at once and keeps the answer for AwaitGeneration.
-  // `on_end` gets ABORTED naming the generation (or the error that stopped
-  // the watch, e.g. FAILED_PRECONDITION "declared lost"). Call at most once.
-  void StartGenerationWatch(std::function<void(const absl::Status&)> on_end);
+  // `on_end` gets the generation that ended and ABORTED naming it (or the
+  // error that stopped the watch, e.g. FAILED_PRECONDITION "declared lost").
+  // Call at most once.
+  using GenerationEndFn =
+      std::function<void(int64_t generation, const absl::Status& why)>;
+  void StartGenerationWatch(GenerationEndFn on_end);
 
   int rank() const;
   int64_t generation() const;
@@ -222,7 +225,7 @@ class Agent {
   absl::Status Rejoin(int64_t seen_epoch);
   int64_t join_epoch() const;
   void HeartbeatLoop();
-  void WatchLoop(std::function<void(const absl::Status&)> on_end);
+  void WatchLoop(GenerationEndFn on_end);
   // One AwaitGeneration RPC attempt series (retries, no re-poll).
   absl::StatusOr<hsdp::v1::AwaitGenerationResponse> AwaitOnce(
       int64_t known_generation, absl::Duration timeout);

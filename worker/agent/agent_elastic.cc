@@ -126,14 +126,13 @@ absl::StatusOr<hsdp::v1::CommitStepResponse> Agent::CommitStep(int64_t step) {
   }
 }
 
-void Agent::StartGenerationWatch(
-    std::function<void(const absl::Status&)> on_end) {
+void Agent::StartGenerationWatch(GenerationEndFn on_end) {
   if (watcher_.joinable()) return;
   watcher_ =
       std::thread([this, on_end = std::move(on_end)] { WatchLoop(on_end); });
 }
 
-void Agent::WatchLoop(std::function<void(const absl::Status&)> on_end) {
+void Agent::WatchLoop(GenerationEndFn on_end) {
   // The generation whose end was already reported.
   int64_t reported = -1;
   while (true) {
@@ -154,13 +153,15 @@ void Agent::WatchLoop(std::function<void(const absl::Status&)> on_end) {
     if (r.status().code() == absl::StatusCode::kCancelled) return;
     reported = generation;
     if (!r.ok()) {
-      on_end(r.status());
+      on_end(generation, r.status());
       continue;
     }
-    on_end(absl::AbortedError(absl::StrCat(
-        "generation ", generation, " ended",
-        r->message().empty() ? "" : absl::StrCat(" (", r->message(), ")"),
-        ": re-form")));
+    on_end(
+        generation,
+        absl::AbortedError(absl::StrCat(
+            "generation ", generation, " ended",
+            r->message().empty() ? "" : absl::StrCat(" (", r->message(), ")"),
+            ": re-form")));
     // Confirm at once (calling again while it ends), whatever the training
     // thread is doing, and keep the answer for its AwaitGeneration.
     while (r.ok() && !Settled(*r)) {

@@ -65,22 +65,20 @@ bool HasState(const Metadata& m, const std::string& state,
                      [&](const TensorEntry& t) { return t.name == name; });
 }
 
-// A fresh state for `p` of the optimizer's type with the checkpoint's
-// tensors allocated (zeros until read) and its step counter.
+// A fresh state of the optimizer's type `type` for a parameter like `like`:
+// zeros (with max_exp_avg_sq when `amsgrad`) and step counter `step`.
 std::unique_ptr<torch::optim::OptimizerParamState> NewState(
-    const std::string& type, const Metadata& m, const LocalTensor& param) {
+    const std::string& type, const at::Tensor& like, int64_t step,
+    bool amsgrad) {
   auto zeros = [&] {
-    return at::zeros_like(param.tensor, at::MemoryFormat::Contiguous);
+    return at::zeros_like(like, at::MemoryFormat::Contiguous);
   };
-  auto it = m.optimizer_steps.find(param.name);
-  const int64_t step = it == m.optimizer_steps.end() ? 0 : it->second;
-  const bool ams = HasState(m, kMaxExpAvgSq, param.name);
   if (type == "adamw") {
     auto s = std::make_unique<torch::optim::AdamWParamState>();
     s->step(step);
     s->exp_avg(zeros());
     s->exp_avg_sq(zeros());
-    if (ams) s->max_exp_avg_sq(zeros());
+    if (amsgrad) s->max_exp_avg_sq(zeros());
     return s;
   }
   if (type == "adam") {
@@ -88,7 +86,7 @@ std::unique_ptr<torch::optim::OptimizerParamState> NewState(
     s->step(step);
     s->exp_avg(zeros());
     s->exp_avg_sq(zeros());
-    if (ams) s->max_exp_avg_sq(zeros());
+    if (amsgrad) s->max_exp_avg_sq(zeros());
     return s;
   }
   auto s = std::make_unique<torch::optim::SGDParamState>();
@@ -227,7 +225,15 @@ absl::Status LoadShards(const std::string& step_dir, const Metadata& metadata,
     if (!saved || type == "none") continue;
     auto it = state.find(StateKey(p.tensor));
     if (it == state.end()) {
-      it = state.emplace(StateKey(p.tensor), NewState(type, metadata, p)).first;
+      auto step = metadata.optimizer_steps.find(p.name);
+      it = state
+               .emplace(StateKey(p.tensor),
+                        NewState(type, p.tensor,
+                                 step == metadata.optimizer_steps.end()
+                                     ? 0
+                                     : step->second,
+                                 HasState(metadata, kMaxExpAvgSq, p.name)))
+               .first;
     }
     auto step = metadata.optimizer_steps.find(p.name);
     if (step != metadata.optimizer_steps.end())
@@ -239,6 +245,38 @@ absl::Status LoadShards(const std::string& step_dir, const Metadata& metadata,
   }
   if (stats != nullptr) *stats = reader.stats();
   return absl::OkStatus();
+}
+
+std::vector<ParamState> ParamStates(torch::optim::Optimizer& optimizer,
+                                    const std::vector<at::Tensor>& params) {
+  std::vector<ParamState> out;
+  auto& state = optimizer.state();
+  for (const at::Tensor& p : params) {
+    ParamState ps;
+    auto it = state.find(StateKey(p));
+    if (it != state.end()) {
+      ps.present = true;
+      ps.step = StepOf(*it->second);
+      for (const auto& [name, t] : StateTensors(*it->second)) {
+        if (name == std::string(kMaxExpAvgSq)) ps.amsgrad = true;
+        ps.tensors.push_back(*t);
+      }
+    }
+    out.push_back(std::move(ps));
+  }
+  return out;
+}
+
+void SetParamState(torch::optim::Optimizer& optimizer, const at::Tensor& param,
+                   const ParamState& like) {
+  auto& state = optimizer.state();
+  const std::string key = StateKey(param);
+  const std::string type = OptimizerType(optimizer);
+  if (!like.present || type == "none") {
+    state.erase(key);
+    return;
+  }
+  state[key] = NewState(type, param, like.step, like.amsgrad);
 }
 
 }  // namespace hsdp::ckpt

@@ -55,6 +55,26 @@ absl::Status LoadShards(const std::string& step_dir, const Metadata& metadata,
                         torch::optim::Optimizer& optimizer,
                         ReadStats* stats = nullptr);
 
+// One parameter's optimizer state: whether it has any yet, its step counter
+// (Adam/AdamW; 0 otherwise), whether it keeps max_exp_avg_sq, and its state
+// tensors (the optimizer's own, in a fixed order per optimizer type).
+struct ParamState {
+  bool present = false;
+  int64_t step = 0;
+  bool amsgrad = false;
+  std::vector<at::Tensor> tensors;
+};
+
+// The state of each of `params`, in order.
+std::vector<ParamState> ParamStates(torch::optim::Optimizer& optimizer,
+                                    const std::vector<at::Tensor>& params);
+
+// Replaces `param`'s state by a fresh one shaped like `like` (zeros, its step
+// counter and amsgrad flag; none when `like` has none), so that ParamStates
+// then lists the same tensors as on the rank `like` came from.
+void SetParamState(torch::optim::Optimizer& optimizer, const at::Tensor& param,
+                   const ParamState& like);
+
 }  // namespace hsdp::ckpt
 
 #endif  // HSDP_WORKER_CKPT_STATE_H_

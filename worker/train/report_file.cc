@@ -52,18 +52,24 @@ void ReportFile::Write(const StepLine& l) {
   WriteLine(absl::StrFormat(
       "{\"rank\":%d,\"step\":%d,%s,\"step_seconds\":%.6f,"
       "\"tokens_per_second\":%.1f,\"lr\":%.9g,"
-      "\"peak_memory_bytes\":%d,\"activation_bytes\":%d,\"rss_bytes\":%d,\"rss_peak_bytes\":%d,"
+      "\"peak_memory_bytes\":%d,\"activation_bytes\":%d,\"rss_bytes\":%d,\"rss_"
+      "peak_bytes\":%d,"
       "\"policy_version\":%d,\"reshard_after_forward\":\"%s\","
       "\"microbatches\":%d,"
       "\"all_gather_seconds\":%.6f,\"reduce_scatter_seconds\":%.6f,"
       "\"checkpoint\":%s,\"world_size\":%d,"
-      "\"first_sample\":%d,\"sample_count\":%d}",
+      "\"first_sample\":%d,\"sample_count\":%d,\"generation\":%d,"
+      "\"first_microbatch\":%d,\"microbatch_count\":%d%s}",
       l.rank, l.step, LossFields(l.loss), l.step_seconds, l.tokens_per_second,
-      l.learning_rate, l.peak_memory_bytes, l.activation_bytes, ProcStatusBytes("VmRSS:"),
-      ProcStatusBytes("VmHWM:"), l.policy_version, l.reshard_after_forward,
-      l.microbatches, l.all_gather_seconds, l.reduce_scatter_seconds,
-      l.checkpoint ? "true" : "false", l.world_size, l.first_sample,
-      l.sample_count));
+      l.learning_rate, l.peak_memory_bytes, l.activation_bytes,
+      ProcStatusBytes("VmRSS:"), ProcStatusBytes("VmHWM:"), l.policy_version,
+      l.reshard_after_forward, l.microbatches, l.all_gather_seconds,
+      l.reduce_scatter_seconds, l.checkpoint ? "true" : "false", l.world_size,
+      l.first_sample, l.sample_count, l.generation, l.first_microbatch,
+      l.microbatch_count,
+      l.heal_crc32c.has_value()
+          ? absl::StrFormat(",\"heal_crc32c\":\"%08x\"", *l.heal_crc32c)
+          : std::string()));
 }
 
 void ReportFile::WriteReference(int64_t step, double loss,

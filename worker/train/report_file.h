@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <fstream>
+#include <optional>
 #include <string>
 
 #include "absl/status/status.h"
@@ -33,6 +34,17 @@ struct StepLine {
   // Global sample indices this rank trained: [first, first + count).
   int64_t first_sample = 0;
   int64_t sample_count = 0;
+  // The sample ledger of a committed step: the membership generation it
+  // committed in and the global microbatches this rank trained, [first,
+  // first + count) (samples [first * microbatch_size, ...)); zero-weight
+  // padding is not listed.
+  int64_t generation = 0;
+  int64_t first_microbatch = 0;
+  int64_t microbatch_count = 0;
+  // Set on the first step after this rank took part in a heal (as source or
+  // target): the CRC32C of its shard state right after the heal, equal on
+  // every replica of its shard index when the heal copied bitwise.
+  std::optional<uint32_t> heal_crc32c;
 };
 
 // Thread-compatible. Writing to a closed file (no path) does nothing.

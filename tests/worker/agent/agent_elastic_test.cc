@@ -117,7 +117,8 @@ TEST_F(AgentElasticTest, WatcherFiresWhenAPeerDiesThenTheJobShrinksAndGrows) {
   WatchLog watch;
   a->StartHeartbeat();
   b->StartHeartbeat();
-  a->StartGenerationWatch([&](const absl::Status& s) { watch.Add(s); });
+  a->StartGenerationWatch(
+      [&](int64_t, const absl::Status& s) { watch.Add(s); });
   CommitBoth(*a, *b, 0, false);
   CommitBoth(*a, *b, 1, false);
 

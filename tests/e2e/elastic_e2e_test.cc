@@ -1,0 +1,246 @@
+// Elastic training end to end (real coordinator and hsdp-worker processes):
+// a worker killed with SIGKILL in a 2x2 job leaves the survivors training in
+// the same processes on 1x2 with the same global batch, bitwise equal to a
+// job that switched to 1x2 at that step; a replacement worker joins, is
+// healed bitwise from its peers and trains; a 1x2 job that loses a worker
+// (no copy of its shard left) stops with a clear error.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <set>
+#include <thread>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "tests/e2e/cluster.h"
+
+namespace hsdp::e2e {
+namespace {
+
+constexpr int kElasticSteps = 30;
+// Every rank's share of the global batch: 2x2 x 1 microbatch, or 1x2 x 2.
+constexpr int kGlobalMicrobatches = 4;
+// Failures not noticed by a collective are noticed by heartbeats within this.
+const std::vector<std::string> kCoordinatorFlags = {
+    "--heartbeat-timeout", "4", "--reform-window", "2", "--join-wait", "30"};
+
+struct Line {
+  int rank = 0;
+  int64_t step = 0;
+  int64_t generation = 0;
+  int world = 0;
+  int64_t first_microbatch = 0;
+  int64_t microbatch_count = 0;
+  std::string loss_hex;
+  double loss = 0;
+  std::string heal_crc;
+};
+
+std::vector<Line> ReadLines(const std::string& path) {
+  std::vector<Line> out;
+  for (const std::string& text : Lines(ReadFile(path))) {
+    Line l;
+    EXPECT_TRUE(absl::SimpleAtoi(Field(text, "rank"), &l.rank)) << text;
+    EXPECT_TRUE(absl::SimpleAtoi(Field(text, "step"), &l.step)) << text;
+    EXPECT_TRUE(absl::SimpleAtoi(Field(text, "generation"), &l.generation))
+        << text;
+    EXPECT_TRUE(absl::SimpleAtoi(Field(text, "world_size"), &l.world)) << text;
+    EXPECT_TRUE(
+        absl::SimpleAtoi(Field(text, "first_microbatch"), &l.first_microbatch))
+        << text;
+    EXPECT_TRUE(
+        absl::SimpleAtoi(Field(text, "microbatch_count"), &l.microbatch_count))
+        << text;
+    EXPECT_TRUE(absl::SimpleAtod(Field(text, "loss"), &l.loss)) << text;
+    l.loss_hex = Field(text, "loss_hex");
+    l.heal_crc = Field(text, "heal_crc32c");
+    out.push_back(l);
+  }
+  return out;
+}
+
+// Every committed step's global microbatches, from all report files: each
+// index in [0, steps * U) exactly once, except that `killed_file`'s last
+// committed step may be missing (the kill can land between the commit and
+// the line).
+void ExpectExactLedger(const std::vector<std::string>& reports, int steps,
+                       int killed_file) {
+  std::map<int64_t, int> seen;
+  int64_t killed_last = -1;
+  for (size_t f = 0; f < reports.size(); ++f) {
+    for (const Line& l : ReadLines(reports[f])) {
+      if (static_cast<int>(f) == killed_file)
+        killed_last = std::max(killed_last, l.step);
+      EXPECT_EQ(l.first_microbatch >= l.step * kGlobalMicrobatches &&
+                    l.first_microbatch + l.microbatch_count <=
+                        (l.step + 1) * kGlobalMicrobatches,
+                true)
+          << reports[f] << " step " << l.step;
+      for (int64_t g = l.first_microbatch;
+           g < l.first_microbatch + l.microbatch_count; ++g)
+        ++seen[g];
+    }
+  }
+  int missing = 0;
+  for (int64_t g = 0; g < int64_t{steps} * kGlobalMicrobatches; ++g) {
+    EXPECT_LE(seen[g], 1) << "microbatch " << g << " trained twice";
+    if (seen[g] == 0) {
+      ++missing;
+      EXPECT_EQ(g / kGlobalMicrobatches, killed_last + 1)
+          << "microbatch " << g << " of a committed step is in no ledger";
+    }
+  }
+  EXPECT_LE(missing, 1);
+}
+
+// The step at which `lines` first trained on `world` ranks.
+int64_t FirstStepOn(const std::vector<Line>& lines, int world) {
+  for (const Line& l : lines)
+    if (l.world == world) return l.step;
+  return -1;
+}
+
+TEST(ElasticE2eTest, KillOneOf2x2SurvivorsGoOnBitwiseAsA1x2JobFromThatStep) {
+  Cluster c("elastic-kill");
+  c.StartCoordinator(4, "2x2", 0, "", kCoordinatorFlags);
+  c.StartWorkers(4, {}, kElasticSteps);
+  ASSERT_TRUE(c.WaitForSteps(8));
+  Kill(c.workers()[3]);
+  std::vector<Proc> workers = c.workers();
+  // The survivors (same processes) finish; worker 2 stood by without its
+  // replica partner and stops when the job finishes.
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_EQ(Wait(workers[r]), 0) << ReadFile(workers[r].log);
+  }
+  c.workers().clear();
+  for (int r = 0; r < 2; ++r) {
+    const std::string log = ReadFile(workers[r].log);
+    EXPECT_NE(log.find("enters generation 1"), std::string::npos) << log;
+  }
+  EXPECT_NE(ReadFile(workers[2].log).find("stands by"), std::string::npos);
+
+  const std::vector<Line> survivor = ReadLines(c.report(0));
+  ASSERT_EQ(survivor.size(), static_cast<size_t>(kElasticSteps));
+  for (int s = 0; s < kElasticSteps; ++s) EXPECT_EQ(survivor[s].step, s);
+  const int64_t k = FirstStepOn(survivor, 2);
+  ASSERT_GT(k, 0);
+  for (const Line& l : survivor) {
+    EXPECT_EQ(l.world, l.step < k ? 4 : 2) << "step " << l.step;
+  }
+  ExpectExactLedger({c.report(0), c.report(1), c.report(2), c.report(3)},
+                    kElasticSteps, /*killed_file=*/3);
+
+  // The reference: a 2x2 job checkpointed through step k - 1, then a 1x2 job
+  // with 2 microbatches per rank (the same global batch) resumed from it.
+  const std::string ckpt = c.dir() + "/reference-ckpt";
+  Cluster a("elastic-ref-2x2");
+  std::ofstream(a.dir() + "/policy.json") << "{\"checkpointInterval\": 1}\n";
+  a.StartCoordinator(4, "2x2", 0, a.dir() + "/policy.json");
+  a.StartWorkers(4, {"--checkpoint-dir", ckpt, "--sync-checkpoint"}, k);
+  a.WaitWorkers();
+  Cluster b("elastic-ref-1x2");
+  std::ofstream(b.dir() + "/policy.json") << "{\"microbatches\": 2}\n";
+  b.StartCoordinator(2, "1x2", 0, b.dir() + "/policy.json");
+  b.StartWorkers(2, {"--checkpoint-dir", ckpt}, kElasticSteps);
+  b.WaitWorkers();
+  std::vector<Line> reference = ReadLines(a.report(0));
+  for (const Line& l : ReadLines(b.report(0))) reference.push_back(l);
+  ASSERT_EQ(reference.size(), static_cast<size_t>(kElasticSteps));
+  for (int r = 0; r < 2; ++r) {
+    const std::vector<Line> got = ReadLines(c.report(r));
+    ASSERT_EQ(got.size(), reference.size());
+    for (size_t s = 0; s < got.size(); ++s) {
+      EXPECT_EQ(got[s].loss_hex, reference[s].loss_hex)
+          << "rank " << r << " step " << s << " (failure at step " << k << ")";
+    }
+  }
+}
+
+TEST(ElasticE2eTest, AReplacementJoinsIsHealedBitwiseAndTrains) {
+  Cluster c("elastic-heal");
+  c.StartCoordinator(4, "2x2", 0, "", kCoordinatorFlags);
+  c.StartWorkers(4, {}, kElasticSteps);
+  ASSERT_TRUE(c.WaitForSteps(6));
+  Kill(c.workers()[3]);
+  std::vector<Proc> workers = c.workers();
+  c.workers().clear();
+  // Once the survivors train on 1x2, a new process takes the dead one's place.
+  const auto deadline = Clock::now() + std::chrono::seconds(60);
+  while (Clock::now() < deadline &&
+         FirstStepOn(ReadLines(c.report(0)), 2) < 0) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ASSERT_GE(FirstStepOn(ReadLines(c.report(0)), 2), 0)
+      << ReadFile(workers[0].log);
+  const std::string replacement_report = c.dir() + "/replacement.jsonl";
+  Proc replacement =
+      c.StartWorker(3, {"--report-file", replacement_report}, kElasticSteps);
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_EQ(Wait(workers[r]), 0) << ReadFile(workers[r].log);
+  }
+  EXPECT_EQ(Wait(replacement), 0) << ReadFile(replacement.log);
+
+  // Every rank that took part in a heal reported its state's CRC32C right
+  // after it: equal within each shard index, targets included.
+  const std::vector<std::string> reports = {c.report(0), c.report(1),
+                                            c.report(2), replacement_report};
+  std::map<std::pair<int64_t, int>, std::set<std::string>> crcs;
+  std::map<std::pair<int64_t, int>, int> holders;
+  for (const std::string& path : reports) {
+    for (const Line& l : ReadLines(path)) {
+      if (l.heal_crc.empty()) continue;
+      crcs[{l.generation, l.rank % 2}].insert(l.heal_crc);
+      ++holders[{l.generation, l.rank % 2}];
+    }
+  }
+  ASSERT_FALSE(crcs.empty()) << "no heal happened";
+  for (const auto& [key, set] : crcs) {
+    EXPECT_EQ(set.size(), 1u) << "generation " << key.first << " shard "
+                              << key.second << ": states differ after heal";
+    EXPECT_GE(holders[key], 2);
+  }
+  const std::vector<Line> healed = ReadLines(replacement_report);
+  ASSERT_FALSE(healed.empty());
+  EXPECT_FALSE(healed.front().heal_crc.empty());
+  EXPECT_EQ(healed.back().step, kElasticSteps - 1);
+  ExpectExactLedger(
+      {c.report(0), c.report(1), c.report(2), c.report(3), replacement_report},
+      kElasticSteps, /*killed_file=*/3);
+
+  // The same global batch every step: the losses follow single-process
+  // training on it (the reduction order differs between meshes: fp32
+  // tolerance).
+  const std::string reference = c.dir() + "/reference.jsonl";
+  Proc ref = Spawn(
+      {Bin("hsdp-worker"), "--reference", "--model", "gpt-tiny", "--dims",
+       kDims, "--steps", std::to_string(kElasticSteps), "--microbatch-size",
+       "2", "--world-size", "4", "--report-file", reference},
+      c.dir() + "/reference.log");
+  ASSERT_EQ(Wait(ref), 0) << ReadFile(c.dir() + "/reference.log");
+  const std::vector<StepRecord> want = ReadReport(reference);
+  const std::vector<Line> got = ReadLines(c.report(0));
+  ASSERT_EQ(want.size(), got.size());
+  for (size_t s = 0; s < got.size(); ++s) {
+    EXPECT_NEAR(got[s].loss, want[s].loss, 1e-5) << "step " << s;
+  }
+}
+
+TEST(ElasticE2eTest, ALost1x2WorkerStopsTheJobWithAClearError) {
+  Cluster c("elastic-no-copy");
+  c.StartCoordinator(2, "1x2", 0, "", kCoordinatorFlags);
+  c.StartWorkers(2, {}, kElasticSteps);
+  ASSERT_TRUE(c.WaitForSteps(4));
+  Kill(c.workers()[1]);
+  const Proc survivor = c.workers()[0];
+  c.workers().clear();
+  EXPECT_NE(Wait(survivor, std::chrono::seconds(60)), 0);
+  const std::string log = ReadFile(survivor.log);
+  EXPECT_NE(log.find("the job failed"), std::string::npos) << log;
+  EXPECT_NE(log.find("latest checkpoint"), std::string::npos) << log;
+}
+
+}  // namespace
+}  // namespace hsdp::e2e
