@@ -81,6 +81,10 @@ void CoreEvents::OnGenerationEnded(int64_t generation,
             << hsdp::v1::FailureCause_Name(cause) << ")\n";
 }
 
+int64_t CoreEvents::LastCheckpointStep() {
+  return core_.schedule_log->last_checkpoint_step();
+}
+
 void CoreEvents::OnGenerationFormed(const hsdp::v1::Generation& generation) {
   GenerationContext context;
   context.generation = generation.generation();

@@ -146,6 +146,7 @@ class CoreEvents final : public MembershipListener {
   void OnGenerationEnded(int64_t generation,
                          hsdp::v1::FailureCause cause) override;
   void OnGenerationFormed(const hsdp::v1::Generation& generation) override;
+  int64_t LastCheckpointStep() override;
   void OnStepCommitted(int64_t generation, int64_t step) override;
   void OnRecovered(const hsdp::v1::FailureRecord& failure) override;
 

@@ -500,6 +500,20 @@ absl::StatusOr<JoinResult> Membership::Join(const JoinArgs& args) {
     back->last_heartbeat = now;
     back->device = args.device;
     AddEventLocked(*back, hsdp::v1::WORKER_EVENT_KIND_REJOINED, "");
+    if (args.worker_id == 0 && last_committed_ >= 0) {
+      // A new process (no id) in a restored place: whatever state the place
+      // held died with the old process, so it holds none, and a generation
+      // that counted on it ends (it re-forms from the live holders, or from
+      // the newest checkpoint when there are none).
+      back->holder_shard = -1;
+      if (IsMemberLocked(back->id)) {
+        EndLocked(hsdp::v1::FAILURE_CAUSE_LOST,
+                  absl::StrCat("worker ", back->id, " (rank ", back->rank,
+                               ") came back as a new process without its "
+                               "state"),
+                  back->id, now, /*at_boundary=*/false);
+      }
+    }
     (void)PersistLocked();  // history only: best effort
     JoinResult result = JoinResultLocked(*back);
     result.replaced = true;

@@ -200,6 +200,9 @@ class MembershipListener {
   virtual void OnStepCommitted(int64_t generation, int64_t step) = 0;
   // The first step after a failure committed: the failure's cost is known.
   virtual void OnRecovered(const hsdp::v1::FailureRecord& failure) = 0;
+  // The newest step every rank saved a checkpoint of, or -1: where a job
+  // whose state no live worker holds any more restarts.
+  virtual int64_t LastCheckpointStep() = 0;
 };
 
 // Thread-safe; every method takes the internal mutex. The long polls
@@ -322,7 +325,8 @@ class Membership {
   UnitList units() const ABSL_LOCKS_EXCLUDED(mu_);
   bool has_model() const ABSL_LOCKS_EXCLUDED(mu_);
   // The training settings the first worker reported (unset until then).
-  std::optional<hsdp::v1::TrainingSpec> training() const ABSL_LOCKS_EXCLUDED(mu_);
+  std::optional<hsdp::v1::TrainingSpec> training() const
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   const std::string& job_id() const { return options_.job_id; }
   int world_size() const { return options_.world_size; }

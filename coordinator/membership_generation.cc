@@ -143,7 +143,23 @@ FormationInput Membership::FormationInputLocked(bool only_confirmed) const {
 
 void Membership::FormLocked() {
   const bool ending = current_.phase == Phase::kEnding;
-  const GenerationPlan plan = PlanGeneration(FormationInputLocked(ending));
+  GenerationPlan plan = PlanGeneration(FormationInputLocked(ending));
+  // No live copy of some shard's state, but a checkpoint of every shard: the
+  // live workers form a generation that loads it (on whatever mesh they make)
+  // and goes on from the step after it.
+  int64_t restore_step = -1;
+  if (plan.outcome == FormationOutcome::kNoLiveCopy && listener_ != nullptr) {
+    const int64_t checkpoint = listener_->LastCheckpointStep();
+    if (checkpoint >= 0) {
+      FormationInput input = FormationInputLocked(ending);
+      input.state_exists = false;
+      GenerationPlan restored = PlanGeneration(input);
+      if (restored.outcome == FormationOutcome::kFormed) {
+        plan = std::move(restored);
+        restore_step = checkpoint;
+      }
+    }
+  }
   // Members of the ended generation that did not confirm in time stand by;
   // their state is not trusted any more.
   if (ending) {
@@ -186,6 +202,12 @@ void Membership::FormLocked() {
   next.mutable_mesh()->set_shard(s);
   next.set_rendezvous_prefix(
       RendezvousPrefix(options_.job_id, next.generation()));
+  if (restore_step >= 0) {
+    // Steps after the checkpoint are trained again: their updates died with
+    // the workers that held them.
+    last_committed_ = restore_step;
+    next.set_restore_from_checkpoint(true);
+  }
   next.set_start_step(last_committed_ + 1);
   for (size_t rank = 0; rank < plan.members.size(); ++rank) {
     next.add_worker_ids(plan.members[rank]);
@@ -197,6 +219,7 @@ void Membership::FormLocked() {
   current_.info = std::move(next);
   current_.phase = Phase::kActive;
   current_.voted.assign(plan.members.size(), false);
+  if (restore_step >= 0) (void)PersistCommitLocked();
   starts_[current_.info.generation()] = current_.info.start_step();
   while (static_cast<int>(starts_.size()) > kRememberedStarts) {
     starts_.erase(starts_.begin());
@@ -232,14 +255,13 @@ void Membership::FormLocked() {
 }
 
 void Membership::NoLiveCopyLocked(const GenerationPlan& plan) {
-  // Hook: once checkpoints load on any mesh, form a generation of the live
-  // workers at the size they make instead, every member loading the latest
-  // checkpoint (the schedule log's last_checkpoint_step) rather than healing,
-  // and resume at that step + 1. Until then the job stops here.
+  // Without a checkpoint of every shard (FormLocked restores from one when
+  // there is), the job cannot continue.
   failed_message_ =
       absl::StrCat(plan.message,
-                   "; the job cannot continue without restarting from its "
-                   "latest checkpoint");
+                   "; no checkpoint to restart from (set a checkpoint "
+                   "interval in the policy, with --checkpoint-dir on the "
+                   "workers)");
   current_.phase = Phase::kNone;
   (void)PersistLocked();
   changed_.SignalAll();
@@ -427,10 +449,9 @@ absl::StatusOr<CommitResult> Membership::CommitStep(int64_t worker_id,
     }
     // The next step, or — before the job's first commit — the step of the
     // first vote (the job may have resumed from a checkpoint).
-    const int64_t expected =
-        last_committed_ >= 0 ? last_committed_ + 1
-        : current_.votes > 0 ? current_.vote_step
-                             : step;
+    const int64_t expected = last_committed_ >= 0 ? last_committed_ + 1
+                             : current_.votes > 0 ? current_.vote_step
+                                                  : step;
     if (step != expected) {
       return absl::OutOfRangeError(
           absl::StrCat("step ", step, " is not the next step to commit (",

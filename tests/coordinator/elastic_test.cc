@@ -431,6 +431,37 @@ TEST_F(ElasticTest, NoLiveCopyOfAShardStopsTheJob) {
   EXPECT_FALSE(beat->message.empty());
 }
 
+// Every replica of a shard index is gone, but every shard was checkpointed:
+// the live workers form a generation that loads the checkpoint (on the mesh
+// they make) and trains again from the step after it.
+TEST_F(ElasticTest, NoLiveCopyWithACheckpointRestartsFromIt) {
+  auto m = Make({2, 2});
+  const std::vector<int64_t> ids = JoinAll(*m);
+  for (int step = 0; step < 4; ++step) Commit(*m, step);
+  listener_.last_checkpoint_step = 1;
+  auto w0 = ConfirmAsync(*m, ids[0], 0);
+  auto w2 = ConfirmAsync(*m, ids[2], 0);
+  Lose(*m, {ids[0], ids[2]}, {ids[1], ids[3]});
+  absl::StatusOr<AwaitResult> r0 = w0.get();
+  absl::StatusOr<AwaitResult> r2 = w2.get();
+  ASSERT_TRUE(r0.ok() && r2.ok());
+  ASSERT_EQ(r0->outcome, hsdp::v1::AWAIT_OUTCOME_FORMED) << r0->message;
+  EXPECT_EQ(r2->outcome, hsdp::v1::AWAIT_OUTCOME_FORMED);
+  const hsdp::v1::Generation& g = r0->generation;
+  EXPECT_TRUE(g.restore_from_checkpoint());
+  EXPECT_EQ(g.start_step(), 2);
+  EXPECT_EQ(g.mesh().replicate(), 1);
+  EXPECT_EQ(g.mesh().shard(), 2);
+  EXPECT_EQ(Roles(g),
+            (std::vector<GenerationRole>{hsdp::v1::GENERATION_ROLE_TRAIN,
+                                         hsdp::v1::GENERATION_ROLE_TRAIN}));
+  EXPECT_TRUE(g.heal_plans().empty());
+  EXPECT_EQ(m->last_committed_step(), 1);
+  EXPECT_NE(m->job_state(), hsdp::v1::JOB_STATE_FAILED);
+  Commit(*m, 2);  // step 2 is trained again and commits in generation 1
+  EXPECT_EQ(m->last_committed_step(), 2);
+}
+
 // R = 1: losing a worker loses its shard.
 TEST_F(ElasticTest, OneReplicaLosingAWorkerStopsTheJob) {
   auto m = Make({1, 2});

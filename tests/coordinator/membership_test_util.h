@@ -42,6 +42,9 @@ class RecordingListener final : public MembershipListener {
   void OnRecovered(const hsdp::v1::FailureRecord& failure) override {
     recovered.push_back(failure);
   }
+  int64_t LastCheckpointStep() override { return last_checkpoint_step; }
+  // What LastCheckpointStep answers.
+  int64_t last_checkpoint_step = -1;
   // Written under Membership's lock, read by the test thread after the calls
   // returned.
   std::vector<std::string> events;

@@ -59,14 +59,15 @@ void ReportFile::Write(const StepLine& l) {
       "\"all_gather_seconds\":%.6f,\"reduce_scatter_seconds\":%.6f,"
       "\"checkpoint\":%s,\"world_size\":%d,"
       "\"first_sample\":%d,\"sample_count\":%d,\"generation\":%d,"
-      "\"first_microbatch\":%d,\"microbatch_count\":%d%s}",
+      "\"first_microbatch\":%d,\"microbatch_count\":%d,"
+      "\"commit_seconds\":%.6f%s}",
       l.rank, l.step, LossFields(l.loss), l.step_seconds, l.tokens_per_second,
       l.learning_rate, l.peak_memory_bytes, l.activation_bytes,
       ProcStatusBytes("VmRSS:"), ProcStatusBytes("VmHWM:"), l.policy_version,
       l.reshard_after_forward, l.microbatches, l.all_gather_seconds,
       l.reduce_scatter_seconds, l.checkpoint ? "true" : "false", l.world_size,
       l.first_sample, l.sample_count, l.generation, l.first_microbatch,
-      l.microbatch_count,
+      l.microbatch_count, l.commit_seconds,
       l.heal_crc32c.has_value()
           ? absl::StrFormat(",\"heal_crc32c\":\"%08x\"", *l.heal_crc32c)
           : std::string()));

@@ -45,6 +45,8 @@ struct StepLine {
   // target): the CRC32C of its shard state right after the heal, equal on
   // every replica of its shard index when the heal copied bitwise.
   std::optional<uint32_t> heal_crc32c;
+  // Time in the commit vote (CommitStep, until every rank voted).
+  double commit_seconds = 0;
 };
 
 // Thread-compatible. Writing to a closed file (no path) does nothing.

@@ -376,10 +376,12 @@ absl::Status ShardedRun::Enter(const Generation& g) {
   checkpointing_ =
       std::make_unique<Checkpointing>(checkpointing_options_, *mesh_, device_);
 
-  if (g.start_step() == 0 && EveryRoleTrains(g)) {
-    // No step has committed: every rank builds the initial state itself (the
-    // seeded init, or the newest checkpoint), also a rank that did so in an
-    // earlier generation, so that the ranks agree on it.
+  if ((g.start_step() == 0 && EveryRoleTrains(g)) ||
+      g.restore_from_checkpoint()) {
+    // No step has committed, or no live worker held some shard's state: every
+    // rank builds the state itself (the seeded init, or the newest
+    // checkpoint), also a rank that did so in an earlier generation, so that
+    // the ranks agree on it.
     absl::StatusOr<int64_t> start =
         checkpointing_->Resume(*engine_, *task_->Model(), *opt_);
     if (!start.ok()) {
@@ -388,6 +390,16 @@ absl::Status ShardedRun::Enter(const Generation& g) {
                  : start.status();
     }
     first_step_ = *start;
+    if (g.restore_from_checkpoint() && first_step_ != g.start_step()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "generation ", g.generation(),
+          " restarts from the checkpoint of "
+          "step ",
+          g.start_step() - 1, ", but the newest complete checkpoint in ",
+          o_.checkpoint_dir.empty() ? "(no --checkpoint-dir)"
+                                    : o_.checkpoint_dir,
+          " leads to step ", first_step_));
+    }
   }
   return Heal(g);
 }
@@ -507,7 +519,8 @@ absl::StatusOr<Next> ShardedRun::Step(int64_t step) {
     opt_->zero_grad();
     return commit.status();  // ABORTED re-forms; anything else stops
   }
-  trace.Add("commit vote", vote_begin, StepTrace::Now());
+  const int64_t vote_end = StepTrace::Now();
+  trace.Add("commit vote", vote_begin, vote_end);
   const int64_t optimizer_begin = StepTrace::Now();
   opt_->step();
   opt_->zero_grad();
@@ -582,6 +595,7 @@ absl::StatusOr<Next> ShardedRun::Step(int64_t step) {
   line.first_sample = line.first_microbatch * t_.microbatch_size;
   line.sample_count = real * t_.microbatch_size;
   line.heal_crc32c = heal_crc_;
+  line.commit_seconds = static_cast<double>(vote_end - vote_begin) * 1e-9;
   heal_crc_.reset();
   report_file_.Write(line);
 
