@@ -46,6 +46,27 @@ void Finish(const FormationInput& input, const std::vector<int>& placed,
   }
 }
 
+// The next of `pool` (candidate indices, in preference order) not taken yet
+// for shard index `index`: one whose last shard it was, else one never
+// placed, else any; -1 when none is left.
+int TakeFor(const FormationInput& input, const std::vector<int>& pool,
+            int index, std::set<int>& taken) {
+  int chosen = -1;
+  for (int pass = 0; pass < 3 && chosen < 0; ++pass) {
+    for (int c : pool) {
+      if (taken.count(c) > 0) continue;
+      const int last = input.candidates[c].last_shard;
+      if (pass == 2 || (pass == 0 && last == index) ||
+          (pass == 1 && last < 0)) {
+        chosen = c;
+        break;
+      }
+    }
+  }
+  if (chosen >= 0) taken.insert(chosen);
+  return chosen;
+}
+
 // Before any commit: the first R' * S candidates, in order (members of the
 // ended generation by their old rank first), all training.
 GenerationPlan PlanWithoutState(const FormationInput& input) {
@@ -68,8 +89,14 @@ GenerationPlan PlanWithoutState(const FormationInput& input) {
     if ((ra >= 0) != (rb >= 0)) return ra >= 0;
     return ra >= 0 && ra < rb;
   });
-  order.resize(static_cast<size_t>(plan.replicas * input.shard));
-  Finish(input, order, std::vector<bool>(order.size(), false), plan);
+  // Each at its last shard index where it can be (ranks r with r % S ==
+  // index), the former members' order kept otherwise.
+  std::vector<int> placed;
+  std::set<int> taken;
+  for (int r = 0; r < plan.replicas * input.shard; ++r) {
+    placed.push_back(TakeFor(input, order, r % input.shard, taken));
+  }
+  Finish(input, placed, std::vector<bool>(placed.size(), false), plan);
   return plan;
 }
 
@@ -146,8 +173,8 @@ GenerationPlan PlanGeneration(const FormationInput& input) {
       taken.insert(c);
     }
   }
-  // Then the other groups: remaining holders first, then workers to heal.
-  size_t next_to_heal = 0;
+  // Then the other groups: remaining holders first, then workers to heal,
+  // each at its last shard index where it can be.
   while (static_cast<int>(placed.size()) / s < replicas) {
     for (int index = 0; index < s; ++index) {
       int chosen = -1;
@@ -158,10 +185,13 @@ GenerationPlan PlanGeneration(const FormationInput& input) {
         }
       }
       const bool heal = chosen < 0;
-      if (heal) chosen = to_heal[next_to_heal++];
+      if (heal) {
+        chosen = TakeFor(input, to_heal, index, taken);
+      } else {
+        taken.insert(chosen);
+      }
       placed.push_back(chosen);
       healed.push_back(heal);
-      taken.insert(chosen);
     }
   }
   Finish(input, placed, healed, plan);

@@ -47,6 +47,10 @@ struct FormationCandidate {
   // not a member.
   int previous_replica = -1;
   int previous_rank = -1;
+  // Shard index of its last membership, -1 when none: a worker placed at
+  // another shard index must lay its shards out anew (the worker refuses),
+  // so it is placed there whenever it can be.
+  int last_shard = -1;
 };
 
 struct FormationInput {

@@ -115,6 +115,7 @@ absl::Status Membership::RestoreLocked() {
     w.rank = record.rank();
     w.role = record.role();
     w.holder_shard = record.holder_shard();
+    w.last_shard = w.rank >= 0 ? w.rank % options_.mesh.shard : w.holder_shard;
     w.history.assign(record.history().begin(), record.history().end());
     next_worker_id_ = std::max(next_worker_id_, w.id + 1);
     workers_[w.id] = std::move(w);
@@ -540,6 +541,7 @@ absl::StatusOr<JoinResult> Membership::Join(const JoinArgs& args) {
     w.rank = *rank;
     w.role = hsdp::v1::GENERATION_ROLE_TRAIN;
     w.holder_shard = *rank % options_.mesh.shard;
+    w.last_shard = w.holder_shard;
     if (std::count(current_.info.worker_ids().begin(),
                    current_.info.worker_ids().end(), 0) == 0) {
       current_.phase = Phase::kActive;

@@ -356,6 +356,10 @@ class Membership {
     hsdp::v1::GenerationRole role = hsdp::v1::GENERATION_ROLE_UNSPECIFIED;
     // Shard index of the state it holds as of the last committed step.
     int holder_shard = -1;
+    // Shard index of its last membership (-1: never a member, or not known
+    // after a restart): its engine's shards are cut for it, so it is placed
+    // there again when it can be.
+    int last_shard = -1;
     // A non-member that showed it is there to be placed (it joined, confirmed
     // the last ending, or called AwaitGeneration since): only such workers
     // are placed in a new generation or make it grow. A member that did not

@@ -131,6 +131,7 @@ FormationInput Membership::FormationInputLocked(bool only_confirmed) const {
       FormationCandidate c;
       c.worker_id = w->id;
       c.holder_shard = w->holder_shard;
+      c.last_shard = w->last_shard;
       if (list == &former) {
         c.previous_rank = w->rank;
         c.previous_replica = w->rank / options_.mesh.shard;
@@ -233,6 +234,7 @@ void Membership::FormLocked() {
     w->holder_shard = w->role == hsdp::v1::GENERATION_ROLE_HEAL_TARGET
                           ? -1
                           : static_cast<int>(rank) % s;
+    w->last_shard = static_cast<int>(rank) % s;
     AddEventLocked(*w, hsdp::v1::WORKER_EVENT_KIND_MEMBER,
                    absl::StrCat("rank ", rank, " of ", plan.members.size()));
   }

@@ -518,8 +518,9 @@ TEST_F(ElasticTest, BeforeTheFirstCommitNobodyHeals) {
   for (auto& f : w) ASSERT_TRUE(f.get().ok());
   const hsdp::v1::Generation g = m->current_generation();
   EXPECT_EQ(g.mesh().replicate(), 1);
-  // By old rank: worker 0 keeps shard 0, worker 2 takes shard 1.
-  EXPECT_EQ(Members(*m), (std::vector<int64_t>{ids[0], ids[2]}));
+  // Each at its last shard index (a worker's engine is cut for it): worker 0
+  // keeps shard 0, worker 3 keeps shard 1; worker 2 (shard 0) stands by.
+  EXPECT_EQ(Members(*m), (std::vector<int64_t>{ids[0], ids[3]}));
   EXPECT_EQ(g.start_step(), 0);
   EXPECT_TRUE(g.heal_plans().empty());
   for (int role : g.roles()) EXPECT_EQ(role, hsdp::v1::GENERATION_ROLE_TRAIN);

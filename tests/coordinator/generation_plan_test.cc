@@ -76,6 +76,20 @@ TEST(GenerationPlanTest, IncompleteGroupsAreFilledWithWorkersToHeal) {
   EXPECT_EQ(plan.standby, (std::vector<int64_t>{22}));
 }
 
+// Workers to heal go back to their last shard index where they can (their
+// engines are cut for it), although standby workers come before joiners; one
+// never placed takes what is left.
+TEST(GenerationPlanTest, WorkersToHealGoBackToTheirLastShard) {
+  FormationCandidate standby = Fresh(30);  // was at shard 1, holds no state
+  standby.last_shard = 1;
+  const GenerationPlan plan = PlanGeneration(Input(
+      2, 2, true, {Holder(1, 0, 2), Holder(2, 1, 2), standby, Fresh(20)}));
+  ASSERT_EQ(plan.outcome, FormationOutcome::kFormed);
+  EXPECT_EQ(plan.members, (std::vector<int64_t>{1, 2, 20, 30}));
+  EXPECT_EQ(plan.roles,
+            (std::vector<GenerationRole>{kSource, kSource, kTarget, kTarget}));
+}
+
 TEST(GenerationPlanTest, TargetsReadFromEveryHolderOfTheirShard) {
   // 3x1: two holders, one fresh worker: it heals from both.
   const GenerationPlan plan = PlanGeneration(
