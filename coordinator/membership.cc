@@ -874,6 +874,13 @@ MembershipStatus Membership::Status() const {
   return status;
 }
 
+std::map<hsdp::v1::WorkerState, int> Membership::StateCounts() const {
+  absl::MutexLock lock(&mu_);
+  std::map<hsdp::v1::WorkerState, int> counts;
+  for (const auto& [id, w] : workers_) ++counts[StateOfLocked(w)];
+  return counts;
+}
+
 std::vector<WorkerSnapshot> Membership::Workers() const {
   absl::MutexLock lock(&mu_);
   const absl::Time now = options_.clock->Now();

@@ -318,6 +318,10 @@ class Membership {
   MembershipStatus Status() const ABSL_LOCKS_EXCLUDED(mu_);
   // Current members by rank, then the other workers by id.
   std::vector<WorkerSnapshot> Workers() const ABSL_LOCKS_EXCLUDED(mu_);
+  // How many workers are in each state (Workers()' states, without copying
+  // every worker and its history: the metrics refresh after each join).
+  std::map<hsdp::v1::WorkerState, int> StateCounts() const
+      ABSL_LOCKS_EXCLUDED(mu_);
   // The job's model, empty until the first join (or restored).
   std::string model() const ABSL_LOCKS_EXCLUDED(mu_);
   UnitList units() const ABSL_LOCKS_EXCLUDED(mu_);
