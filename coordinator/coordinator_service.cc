@@ -42,31 +42,13 @@ bool ReportBook::Latest(int64_t worker_id, hsdp::v1::StepReport* report) const {
 }
 
 void RefreshMembershipMetrics(const CoordinatorCore& core) {
-  int alive = 0, lost = 0, finished = 0, standby = 0, joining = 0, evicted = 0;
-  for (const WorkerSnapshot& w : core.membership->Workers()) {
-    switch (w.state) {
-      case hsdp::v1::WORKER_STATE_ALIVE:
-        ++alive;
-        break;
-      case hsdp::v1::WORKER_STATE_LOST:
-        ++lost;
-        break;
-      case hsdp::v1::WORKER_STATE_FINISHED:
-        ++finished;
-        break;
-      case hsdp::v1::WORKER_STATE_STANDBY:
-        ++standby;
-        break;
-      case hsdp::v1::WORKER_STATE_JOINING:
-        ++joining;
-        break;
-      case hsdp::v1::WORKER_STATE_EVICTED:
-        ++evicted;
-        break;
-      default:
-        break;
-    }
-  }
+  std::map<hsdp::v1::WorkerState, int> counts = core.membership->StateCounts();
+  const int alive = counts[hsdp::v1::WORKER_STATE_ALIVE];
+  const int lost = counts[hsdp::v1::WORKER_STATE_LOST];
+  const int finished = counts[hsdp::v1::WORKER_STATE_FINISHED];
+  const int standby = counts[hsdp::v1::WORKER_STATE_STANDBY];
+  const int joining = counts[hsdp::v1::WORKER_STATE_JOINING];
+  const int evicted = counts[hsdp::v1::WORKER_STATE_EVICTED];
   core.metrics->SetWorkerCounts(alive, lost, finished);
   core.metrics->SetElasticWorkerCounts(standby, joining, evicted);
   core.metrics->SetGeneration(core.membership->generation());

@@ -330,10 +330,28 @@ bool Membership::IsMemberLocked(int64_t worker_id) const {
 
 int Membership::RankOfLocked(int64_t worker_id) const {
   const auto& ids = current_.info.worker_ids();
-  for (int r = 0; r < ids.size(); ++r) {
-    if (ids[r] == worker_id) return r;
+  if (worker_id != 0) {  // 0 marks open ranks: the first one is scanned for
+    auto it = rank_cache_.find(worker_id);
+    if (it != rank_cache_.end() && it->second < ids.size() &&
+        ids[it->second] == worker_id) {
+      return it->second;
+    }
   }
-  return -1;
+  int rank = -1;
+  for (int r = 0; r < ids.size(); ++r) {
+    if (ids[r] == worker_id) {
+      rank = r;
+      break;
+    }
+  }
+  if (rank >= 0 && worker_id != 0) {
+    rank_cache_.clear();
+    // The first rank holding an id, as the scan answers.
+    for (int r = 0; r < ids.size(); ++r) {
+      if (ids[r] != 0) rank_cache_.emplace(ids[r], r);
+    }
+  }
+  return rank;
 }
 
 WorkerState Membership::StateOfLocked(const Worker& w) const {
@@ -352,9 +370,14 @@ hsdp::v1::JobState Membership::JobStateLocked() const {
     return hsdp::v1::JOB_STATE_WAITING;
   }
   bool all_finished = current_.info.worker_ids_size() > 0;
+  // Stops at the first member still training: O(1) while a job runs (this is
+  // on every heartbeat and report).
   for (const int64_t id : current_.info.worker_ids()) {
     const Worker* w = FindLocked(id);
-    all_finished &= w != nullptr && w->liveness == Liveness::kFinished;
+    if (w == nullptr || w->liveness != Liveness::kFinished) {
+      all_finished = false;
+      break;
+    }
   }
   if (all_finished) return hsdp::v1::JOB_STATE_FINISHED;
   if (draining_) return hsdp::v1::JOB_STATE_DRAINING;
@@ -865,6 +888,13 @@ MembershipStatus Membership::Status() const {
   status.failures = failures_;
   status.last_failure = last_failure_;
   return status;
+}
+
+std::map<hsdp::v1::WorkerState, int> Membership::StateCounts() const {
+  absl::MutexLock lock(&mu_);
+  std::map<hsdp::v1::WorkerState, int> counts;
+  for (const auto& [id, w] : workers_) ++counts[StateOfLocked(w)];
+  return counts;
 }
 
 std::vector<WorkerSnapshot> Membership::Workers() const {

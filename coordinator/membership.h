@@ -63,6 +63,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -320,6 +321,10 @@ class Membership {
   MembershipStatus Status() const ABSL_LOCKS_EXCLUDED(mu_);
   // Current members by rank, then the other workers by id.
   std::vector<WorkerSnapshot> Workers() const ABSL_LOCKS_EXCLUDED(mu_);
+  // How many workers are in each state (Workers()' states, without copying
+  // every worker and its history: the metrics refresh after each join).
+  std::map<hsdp::v1::WorkerState, int> StateCounts() const
+      ABSL_LOCKS_EXCLUDED(mu_);
   // The job's model, empty until the first join (or restored).
   std::string model() const ABSL_LOCKS_EXCLUDED(mu_);
   UnitList units() const ABSL_LOCKS_EXCLUDED(mu_);
@@ -414,6 +419,7 @@ class Membership {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool IsMemberLocked(int64_t worker_id) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // O(1) through rank_cache_ (every call of every RPC asks, often twice).
   int RankOfLocked(int64_t worker_id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   hsdp::v1::WorkerState StateOfLocked(const Worker& w) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -466,6 +472,12 @@ class Membership {
   std::map<int64_t, Worker> workers_ ABSL_GUARDED_BY(mu_);
   int64_t next_worker_id_ ABSL_GUARDED_BY(mu_) = 1;
   Current current_ ABSL_GUARDED_BY(mu_);
+  // Worker id -> rank in current_.info.worker_ids(): a cache, not an index to
+  // keep up to date. A hit counts only when worker_ids still holds the id at
+  // that rank; otherwise RankOfLocked scans, and rebuilds the cache when the
+  // scan finds the id (worker_ids changed). A linear scan per call made every
+  // step's N reports O(N^2) under mu_.
+  mutable std::unordered_map<int64_t, int> rank_cache_ ABSL_GUARDED_BY(mu_);
   // Start step of recent generations (to tell whether a step committed in a
   // given generation).
   std::map<int64_t, int64_t> starts_ ABSL_GUARDED_BY(mu_);
