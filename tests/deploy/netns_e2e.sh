@@ -269,7 +269,12 @@ lost = []
 def walk(o):
     if isinstance(o, dict):
         if "LOST" in str(o.get("state", "")):
-            lost.append(int(o.get("rank", 0)))
+            rank = int(o.get("rank", 0))
+            if rank < 0:  # no longer a member: its rank in its last generation
+                for e in o.get("history", []):
+                    if "MEMBER" in str(e.get("kind", "")):
+                        rank = int(e.get("rank", 0))
+            lost.append(rank)
         for v in o.values(): walk(v)
     elif isinstance(o, list):
         for v in o: walk(v)

@@ -29,7 +29,7 @@ namespace {
 constexpr int kReplicas = 3;
 constexpr int kShards = 2;
 constexpr int kWorld = kReplicas * kShards;
-constexpr double kParamTolerance = 1e-5;
+constexpr double kParamTolerance = 1e-6;
 
 int EnvInt(const char* name, int fallback) {
   const char* v = std::getenv(name);
