@@ -202,8 +202,14 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   health->SetServingStatus(kCoordinatorServiceName, true);
   health->SetServingStatus(kControlServiceName, true);
 
-  const absl::Duration sweep_period =
-      std::max(kMinSweepPeriod, job.heartbeat_timeout / kSweepsPerTimeout);
+  // The sweep also forms an ending generation once its reform window passed:
+  // as fine-grained as the shorter of the two.
+  absl::Duration sweep_period = job.heartbeat_timeout / kSweepsPerTimeout;
+  if (job.reform_window > absl::ZeroDuration()) {
+    sweep_period =
+        std::min(sweep_period, job.reform_window / kSweepsPerTimeout);
+  }
+  sweep_period = std::max(kMinSweepPeriod, sweep_period);
   s->sweeper_ = std::thread(
       [server = s.get(), sweep_period] { server->SweepLoop(sweep_period); });
   return s;
