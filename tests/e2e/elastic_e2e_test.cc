@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <regex>
 #include <set>
 #include <thread>
 
@@ -226,6 +227,37 @@ TEST(ElasticE2eTest, AReplacementJoinsIsHealedBitwiseAndTrains) {
   for (size_t s = 0; s < got.size(); ++s) {
     EXPECT_NEAR(got[s].loss, want[s].loss, 1e-5) << "step " << s;
   }
+}
+
+// An operator drains a worker (hsdpctl evict): it leaves at a step boundary
+// and exits 0; the others go on as 1x2 in their processes.
+TEST(ElasticE2eTest, AnEvictedWorkerLeavesAtAStepBoundary) {
+  Cluster c("elastic-evict");
+  c.StartCoordinator(4, "2x2", 0, "", kCoordinatorFlags);
+  c.StartWorkers(4, {}, kElasticSteps);
+  ASSERT_TRUE(c.WaitForSteps(4));
+  const std::regex id_of("rank 3 \\(worker ([0-9]+)\\) enters generation 0");
+  std::smatch m;
+  const std::string log3 = ReadFile(c.workers()[3].log);
+  ASSERT_TRUE(std::regex_search(log3, m, id_of)) << log3;
+  std::string out;
+  ASSERT_EQ(c.Ctl({"evict", "--worker-id", m[1]}, &out), 0) << out;
+  std::vector<Proc> workers = c.workers();
+  c.workers().clear();
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_EQ(Wait(workers[r]), 0) << ReadFile(workers[r].log);
+  }
+  EXPECT_NE(ReadFile(workers[3].log).find("evicted by an operator"),
+            std::string::npos);
+  const std::vector<Line> evicted = ReadLines(c.report(3));
+  const std::vector<Line> survivor = ReadLines(c.report(0));
+  ASSERT_EQ(survivor.size(), static_cast<size_t>(kElasticSteps));
+  ASSERT_FALSE(evicted.empty());
+  // The evicted worker's last step is the survivors' last step on 2x2: a
+  // boundary, nothing trained twice or lost.
+  EXPECT_EQ(FirstStepOn(survivor, 2), evicted.back().step + 1);
+  ExpectExactLedger({c.report(0), c.report(1), c.report(2), c.report(3)},
+                    kElasticSteps, /*killed_file=*/-1);
 }
 
 TEST(ElasticE2eTest, ALost1x2WorkerStopsTheJobWithAClearError) {
