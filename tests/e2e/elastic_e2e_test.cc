@@ -161,9 +161,11 @@ TEST(ElasticE2eTest, KillOneOf2x2SurvivorsGoOnBitwiseAsA1x2JobFromThatStep) {
 }
 
 TEST(ElasticE2eTest, AReplacementJoinsIsHealedBitwiseAndTrains) {
+  // Long enough for a new process to start and join while the others train.
+  constexpr int kHealSteps = 4 * kElasticSteps;
   Cluster c("elastic-heal");
   c.StartCoordinator(4, "2x2", 0, "", kCoordinatorFlags);
-  c.StartWorkers(4, {}, kElasticSteps);
+  c.StartWorkers(4, {}, kHealSteps);
   ASSERT_TRUE(c.WaitForSteps(6));
   Kill(c.workers()[3]);
   std::vector<Proc> workers = c.workers();
@@ -178,7 +180,7 @@ TEST(ElasticE2eTest, AReplacementJoinsIsHealedBitwiseAndTrains) {
       << ReadFile(workers[0].log);
   const std::string replacement_report = c.dir() + "/replacement.jsonl";
   Proc replacement =
-      c.StartWorker(3, {"--report-file", replacement_report}, kElasticSteps);
+      c.StartWorker(3, {"--report-file", replacement_report}, kHealSteps);
   for (int r = 0; r < 3; ++r) {
     EXPECT_EQ(Wait(workers[r]), 0) << ReadFile(workers[r].log);
   }
@@ -206,20 +208,20 @@ TEST(ElasticE2eTest, AReplacementJoinsIsHealedBitwiseAndTrains) {
   const std::vector<Line> healed = ReadLines(replacement_report);
   ASSERT_FALSE(healed.empty());
   EXPECT_FALSE(healed.front().heal_crc.empty());
-  EXPECT_EQ(healed.back().step, kElasticSteps - 1);
+  EXPECT_EQ(healed.back().step, kHealSteps - 1);
   ExpectExactLedger(
       {c.report(0), c.report(1), c.report(2), c.report(3), replacement_report},
-      kElasticSteps, /*killed_file=*/3);
+      kHealSteps, /*killed_file=*/3);
 
   // The same global batch every step: the losses follow single-process
   // training on it (the reduction order differs between meshes: fp32
   // tolerance).
   const std::string reference = c.dir() + "/reference.jsonl";
-  Proc ref = Spawn(
-      {Bin("hsdp-worker"), "--reference", "--model", "gpt-tiny", "--dims",
-       kDims, "--steps", std::to_string(kElasticSteps), "--microbatch-size",
-       "2", "--world-size", "4", "--report-file", reference},
-      c.dir() + "/reference.log");
+  Proc ref =
+      Spawn({Bin("hsdp-worker"), "--reference", "--model", "gpt-tiny", "--dims",
+             kDims, "--steps", std::to_string(kHealSteps), "--microbatch-size",
+             "2", "--world-size", "4", "--report-file", reference},
+            c.dir() + "/reference.log");
   ASSERT_EQ(Wait(ref), 0) << ReadFile(c.dir() + "/reference.log");
   const std::vector<StepRecord> want = ReadReport(reference);
   const std::vector<Line> got = ReadLines(c.report(0));
