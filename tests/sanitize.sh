@@ -96,14 +96,15 @@ run_tsan() {
 
 run_thread_safety() {
   configure build-thread-safety -DCMAKE_CXX_COMPILER=clang++ -DHSDP_THREAD_SAFETY=ON
+  # -k 0: every finding in one run, not only the first failing file's.
   timed "thread-safety build (clang -Wthread-safety -Werror)" \
-    cmake --build build-thread-safety -j "$jobs"
+    cmake --build build-thread-safety -j "$jobs" -- -k 0
 }
 
 run_fuzz() {
   configure build-fuzz -DCMAKE_CXX_COMPILER=clang++ -DHSDP_BUILD_WORKER=OFF -DHSDP_BUILD_BENCH=OFF \
     -DHSDP_BUILD_FUZZ=ON -DHSDP_SANITIZE=address,undefined
-  local targets=(policy_fuzz job_file_fuzz coordinator_service_fuzz)
+  local targets=(policy_fuzz job_file_fuzz coordinator_service_fuzz checkpoint_metadata_fuzz)
   timed "fuzz build" cmake --build build-fuzz -j "$jobs" --target "${targets[@]}"
   local failed=0 t
   for t in "${targets[@]}"; do
