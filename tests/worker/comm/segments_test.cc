@@ -57,7 +57,10 @@ class SegmentsTest
 };
 
 TEST_P(SegmentsTest, AllGatherMatchesFlatAllGather) {
-  const auto [backend, world, dtype] = GetParam();
+  // Not a structured binding: lambdas capture those only from C++20 (clang).
+  const std::string& backend = std::get<0>(GetParam());
+  const int world = std::get<1>(GetParam());
+  const DataType dtype = std::get<2>(GetParam());
   InMemoryStore store;
   auto comms = MakeBackendGroup(backend, store, "ag-segments", world, kTimeout);
   ASSERT_EQ(comms.size(), static_cast<size_t>(world));
@@ -108,7 +111,10 @@ TEST_P(SegmentsTest, AllGatherMatchesFlatAllGather) {
 }
 
 TEST_P(SegmentsTest, ReduceScatterMatchesRankOrderSum) {
-  const auto [backend, world, dtype] = GetParam();
+  // Not a structured binding: lambdas capture those only from C++20 (clang).
+  const std::string& backend = std::get<0>(GetParam());
+  const int world = std::get<1>(GetParam());
+  const DataType dtype = std::get<2>(GetParam());
   InMemoryStore store;
   auto comms = MakeBackendGroup(backend, store, "rs-segments", world, kTimeout);
   ASSERT_EQ(comms.size(), static_cast<size_t>(world));
