@@ -2,11 +2,15 @@
 
 #include <fstream>
 #include <sstream>
+#include <string>
+#include <vector>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "google/protobuf/descriptor.h"
 #include "google/protobuf/io/tokenizer.h"
+#include "google/protobuf/message.h"
 #include "google/protobuf/text_format.h"
 #include "google/protobuf/util/json_util.h"
 
@@ -61,6 +65,77 @@ std::string UnitNamesForError(const UnitList& units) {
 
 std::string BoolText(bool b) { return b ? "true" : "false"; }
 
+// True when `s` is well-formed UTF-8 (RFC 3629: no overlong forms, no
+// surrogates, nothing past U+10FFFF).
+bool IsValidUtf8(absl::string_view s) {
+  size_t i = 0;
+  while (i < s.size()) {
+    const unsigned char c = static_cast<unsigned char>(s[i]);
+    size_t extra;
+    unsigned char lo = 0x80, hi = 0xBF;  // bounds of the second byte
+    if (c < 0x80) {
+      ++i;
+      continue;
+    } else if (c >= 0xC2 && c <= 0xDF) {
+      extra = 1;
+    } else if (c >= 0xE0 && c <= 0xEF) {
+      extra = 2;
+      if (c == 0xE0) lo = 0xA0;  // overlong
+      if (c == 0xED) hi = 0x9F;  // surrogates
+    } else if (c >= 0xF0 && c <= 0xF4) {
+      extra = 3;
+      if (c == 0xF0) lo = 0x90;  // overlong
+      if (c == 0xF4) hi = 0x8F;  // past U+10FFFF
+    } else {
+      return false;
+    }
+    if (s.size() - i <= extra) return false;
+    for (size_t k = 1; k <= extra; ++k) {
+      const unsigned char b = static_cast<unsigned char>(s[i + k]);
+      if (k == 1 ? (b < lo || b > hi) : (b < 0x80 || b > 0xBF)) return false;
+    }
+    i += extra + 1;
+  }
+  return true;
+}
+
+// The text format parser takes any bytes in a string field ("\377" escapes);
+// proto3 strings must be UTF-8, and the JSON printer would not write them
+// back as they were. The first field holding invalid UTF-8, by path
+// ("overrides[0].unit_glob"), is refused.
+absl::Status CheckUtf8(const google::protobuf::Message& message,
+                       const std::string& path) {
+  const google::protobuf::Reflection* reflection = message.GetReflection();
+  std::vector<const google::protobuf::FieldDescriptor*> fields;
+  reflection->ListFields(message, &fields);
+  for (const google::protobuf::FieldDescriptor* field : fields) {
+    const std::string name = absl::StrCat(path, field->name());
+    const int count =
+        field->is_repeated() ? reflection->FieldSize(message, field) : 1;
+    for (int i = 0; i < count; ++i) {
+      const std::string at =
+          field->is_repeated() ? absl::StrCat(name, "[", i, "]") : name;
+      if (field->type() == google::protobuf::FieldDescriptor::TYPE_STRING) {
+        const std::string value =
+            field->is_repeated()
+                ? reflection->GetRepeatedString(message, field, i)
+                : reflection->GetString(message, field);
+        if (!IsValidUtf8(value)) return FieldError(at, "is not valid UTF-8");
+      } else if (field->cpp_type() ==
+                 google::protobuf::FieldDescriptor::CPPTYPE_MESSAGE) {
+        const google::protobuf::Message& sub =
+            field->is_repeated()
+                ? reflection->GetRepeatedMessage(message, field, i)
+                : reflection->GetMessage(message, field);
+        if (absl::Status s = CheckUtf8(sub, absl::StrCat(at, ".")); !s.ok()) {
+          return s;
+        }
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<Policy> ParsePolicy(absl::string_view text) {
@@ -85,6 +160,7 @@ absl::StatusOr<Policy> ParsePolicy(absl::string_view text) {
         absl::StrCat("policy text format: ",
                      errors.first().empty() ? "parse error" : errors.first()));
   }
+  if (absl::Status s = CheckUtf8(policy, ""); !s.ok()) return s;
   return policy;
 }
 

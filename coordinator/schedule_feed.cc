@@ -1,6 +1,5 @@
 #include "coordinator/schedule_feed.h"
 
-#include <map>
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
@@ -8,11 +7,11 @@
 #include <deque>
 #include <iostream>
 #include <limits>
+#include <map>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "coordinator/membership.h"
 
 namespace hsdp::coordinator {
 
@@ -148,9 +147,8 @@ grpc::ServerWriteReactor<WatchSchedulesResponse>* RefuseWatch(
   return new RefusedWatch(status);
 }
 
-ScheduleFeed::ScheduleFeed(ScheduleLog* log, Membership* membership,
-                           Options options)
-    : log_(log), membership_(membership), options_(options) {
+ScheduleFeed::ScheduleFeed(ScheduleLog* log, Options options)
+    : log_(log), options_(options) {
   pusher_ = std::thread([this] { Run(); });
 }
 

@@ -16,8 +16,9 @@
 // Steps are pushed in order on each stream; a stream opened late first gets
 // the sealed steps it missed. A stream belongs to the generation its worker
 // trains in: it carries that generation's schedules, and ends ABORTED once the
-// generation ended (the worker re-forms, then opens a stream for the next). After the drain step a stream gets one message
-// with drained set and ends OK; Shutdown() ends every stream with UNAVAILABLE.
+// generation ended (the worker re-forms, then opens a stream for the next).
+// After the drain step a stream gets one message with drained set and ends OK;
+// Shutdown() ends every stream with UNAVAILABLE.
 //
 // Threads: one pusher thread (reads the log, fans out), and gRPC's callback
 // threads for the streams' completions.
@@ -43,8 +44,6 @@ class CallbackServerContext;
 
 namespace hsdp::coordinator {
 
-class Membership;
-
 inline constexpr int kDefaultPushAhead = 1;
 
 class ScheduleWatch;
@@ -59,8 +58,8 @@ class ScheduleFeed {
     absl::Duration poll_interval = absl::Milliseconds(10);
   };
 
-  // `log` and `membership` must outlive the feed.
-  ScheduleFeed(ScheduleLog* log, Membership* membership, Options options);
+  // `log` must outlive the feed.
+  ScheduleFeed(ScheduleLog* log, Options options);
   ~ScheduleFeed();
   ScheduleFeed(const ScheduleFeed&) = delete;
   ScheduleFeed& operator=(const ScheduleFeed&) = delete;
@@ -92,7 +91,6 @@ class ScheduleFeed {
   void Unregister(ScheduleWatch* watch);
 
   ScheduleLog* const log_;
-  Membership* const membership_;
   const Options options_;
   mutable absl::Mutex mu_;
   std::set<ScheduleWatch*> watches_ ABSL_GUARDED_BY(mu_);

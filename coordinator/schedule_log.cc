@@ -106,7 +106,9 @@ absl::Status ScheduleLog::RestoreLocked(
   // A step's record is the one of the latest generation that started at or
   // before it (starts never decrease); records of earlier generations from
   // there on were superseded.
-  auto owner = [&](int64_t step) -> int64_t {
+  // Runs only here, under mu_ (clang's analysis does not carry the caller's
+  // locks into a lambda, so the requirement is stated).
+  auto owner = [&](int64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> int64_t {
     int64_t generation = 0;
     for (const GenerationContext& g : generation_starts_) {
       if (g.start_step <= step) generation = g.generation;

@@ -131,8 +131,8 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   s->membership_->SetListener(s->events_.get());
   ScheduleFeed::Options feed_options;
   feed_options.push_ahead = options.schedule_push_ahead;
-  s->schedule_feed_ = std::make_unique<ScheduleFeed>(
-      s->schedule_log_.get(), s->membership_.get(), feed_options);
+  s->schedule_feed_ =
+      std::make_unique<ScheduleFeed>(s->schedule_log_.get(), feed_options);
   core.schedule_feed = s->schedule_feed_.get();
   s->coordinator_service_ =
       std::make_unique<CoordinatorServiceImpl>(core, options.job_token);

@@ -79,6 +79,29 @@ TEST(PolicyParseTest, UnknownJsonFieldNamesField) {
       << p.status();
 }
 
+// Found by policy_fuzz (tests/fuzz/crashes/policy_fuzz): the text format
+// takes any bytes in a string, which the JSON printer did not write back as
+// they were.
+TEST(PolicyParseTest, InvalidUtf8InTextStringIsRefusedByField) {
+  for (const char* text :
+       {"overrides { unit_glob: \"a\" }\noverrides { unit_glob: \"x\\377y\" }",
+        "overrides { unit_glob: \"\\355\\240\\200\" }",  // a surrogate
+        "overrides { unit_glob: \"\\300\\257\" }",       // overlong '/'
+        "overrides { unit_glob: \"\\342\\202\" }"}) {    // truncated
+    absl::StatusOr<Policy> p = ParsePolicy(text);
+    EXPECT_EQ(p.status().code(), absl::StatusCode::kInvalidArgument) << text;
+    EXPECT_NE(p.status().message().find("policy.overrides["), std::string::npos)
+        << p.status();
+    EXPECT_NE(p.status().message().find("].unit_glob: is not valid UTF-8"),
+              std::string::npos)
+        << p.status();
+  }
+  absl::StatusOr<Policy> ok = ParsePolicy(
+      "overrides { unit_glob: \"caf\\303\\251.\\360\\237\\230\\200\" }");
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ(ok->overrides(0).unit_glob(), "caf\xc3\xa9.\xf0\x9f\x98\x80");
+}
+
 TEST(PolicyParseTest, MalformedInputIsInvalidArgument) {
   for (const char* text :
        {"{", R"({"microbatches": "many"})", "microbatches: [",

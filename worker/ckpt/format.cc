@@ -2,8 +2,10 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <type_traits>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -35,6 +37,53 @@ json TensorToJson(const TensorEntry& t) {
               {"chunks", chunks}};
 }
 
+// The integer type at the leaves of a field's C++ type (int64_t for
+// std::map<std::string, int64_t>), or the type itself.
+template <typename T>
+struct Leaf {
+  using type = T;
+};
+template <typename T>
+struct Leaf<std::vector<T>> {
+  using type = typename Leaf<T>::type;
+};
+template <typename K, typename V>
+struct Leaf<std::map<K, V>> {
+  using type = typename Leaf<V>::type;
+};
+
+// True when every number in `v` (recursively) is an integer that fits T.
+// nlohmann's get<T>() would cast a float or an out-of-range integer silently
+// (a float past T's range is undefined behaviour), so a file saying
+// "step": 1e300 or "mesh": {"shard": 4294967297} would load as garbage.
+template <typename T>
+bool IntegersFit(const json& v) {
+  if (v.is_array() || v.is_object()) {
+    for (const json& e : v) {
+      if (!IntegersFit<T>(e)) return false;
+    }
+    return true;
+  }
+  if (v.is_number_float()) return false;
+  if (v.is_number_unsigned()) {
+    return v.get<uint64_t>() <=
+           static_cast<uint64_t>(std::numeric_limits<T>::max());
+  }
+  if (v.is_number_integer()) {
+    const int64_t x = v.get<int64_t>();
+    if (x < 0) {
+      if constexpr (std::is_signed_v<T>) {
+        return x >= std::numeric_limits<T>::min();
+      } else {
+        return false;
+      }
+    }
+    return static_cast<uint64_t>(x) <=
+           static_cast<uint64_t>(std::numeric_limits<T>::max());
+  }
+  return true;  // strings, booleans, null: get<T>() decides
+}
+
 // Field access that turns nlohmann's exceptions into one-line errors naming
 // the file and the field.
 class Reader {
@@ -49,6 +98,14 @@ class Reader {
     if (it == obj.end()) {
       return absl::InvalidArgumentError(
           absl::StrCat(path_, ": ", where, "no field \"", key, "\""));
+    }
+    using L = typename Leaf<T>::type;
+    if constexpr (std::is_integral_v<L> && !std::is_same_v<L, bool>) {
+      if (!IntegersFit<L>(*it)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(path_, ": ", where, "field \"", key,
+                         "\" holds a number that is not an integer in range"));
+      }
     }
     try {
       *out = it->template get<T>();
@@ -278,7 +335,18 @@ absl::Status ValidateMetadata(const Metadata& m, const std::string& path) {
     const int64_t elem = DtypeSize(t.dtype);
     if (elem == 0) return bad(absl::StrCat("unknown dtype \"", t.dtype, "\""));
     if (t.shape.empty()) return bad("has no dim 0 (scalars are not sharded)");
-    const int64_t row_bytes = RowNumel(t.shape) * elem;
+    // Row bytes, computed with overflow checks: every offset the loader
+    // derives from them (RowNumel(shape) * DtypeSize, rows * row bytes) then
+    // fits in int64_t.
+    int64_t row_bytes = elem;
+    for (size_t d = 0; d < t.shape.size(); ++d) {
+      if (t.shape[d] < 0) {
+        return bad(absl::StrCat("dim ", d, " is negative (", t.shape[d], ")"));
+      }
+      if (d > 0 && __builtin_mul_overflow(row_bytes, t.shape[d], &row_bytes)) {
+        return bad("its shape is too large (bytes per row overflow int64)");
+      }
+    }
     int64_t next_row = 0;
     for (const Chunk& c : t.chunks) {
       if (c.row_begin != next_row || c.row_end < c.row_begin) {
@@ -290,14 +358,20 @@ absl::Status ValidateMetadata(const Metadata& m, const std::string& path) {
       auto f = file_bytes.find(c.file);
       if (f == file_bytes.end())
         return bad(absl::StrCat("chunk in ", c.file, ", a file not listed"));
+      // row_begin >= 0 (it starts at 0 and only grows), so rows cannot
+      // overflow; the products and sums below are checked.
       const int64_t rows = c.row_end - c.row_begin;
-      if (c.bytes != rows * row_bytes || c.offset < 0 ||
-          c.offset + c.bytes > f->second) {
+      int64_t chunk_bytes = 0;
+      if (__builtin_mul_overflow(rows, row_bytes, &chunk_bytes) ||
+          c.bytes != chunk_bytes || c.offset < 0 || f->second < 0 ||
+          c.offset > f->second - c.bytes) {
         return bad(absl::StrCat("chunk in ", c.file, " at offset ", c.offset,
                                 " with ", c.bytes, " bytes does not fit"));
       }
       const int64_t blocks =
-          c.block_rows <= 0 ? -1 : (rows + c.block_rows - 1) / c.block_rows;
+          c.block_rows <= 0
+              ? -1
+              : rows / c.block_rows + (rows % c.block_rows != 0 ? 1 : 0);
       if (blocks != static_cast<int64_t>(c.crc32c.size())) {
         return bad(absl::StrCat("chunk in ", c.file, " has ", c.crc32c.size(),
                                 " checksums for ", blocks, " blocks"));

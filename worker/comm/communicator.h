@@ -161,14 +161,15 @@ class Communicator {
 // Calls fn(k, in_segment, in_range, len) for each piece of the concatenation
 // of `segments` that overlaps bytes [offset, offset + n): `len` bytes of
 // segment k, starting `in_segment` bytes into it and `in_range` bytes into
-// the range.
+// the range. Empty segments (whose data may be null) are never passed: a
+// zero-length memcpy from or to null is undefined behaviour.
 template <typename Fn>
 void ForEachSegmentPiece(const std::vector<Buffer>& segments, size_t offset,
                          size_t n, Fn&& fn) {
   size_t start = 0;
   for (size_t k = 0; k < segments.size(); ++k) {
     const size_t end = start + segments[k].bytes();
-    if (end > offset && start < offset + n) {
+    if (end > start && end > offset && start < offset + n) {
       const size_t from = std::max(start, offset);
       const size_t to = std::min(end, offset + n);
       fn(k, from - start, from - offset, to - from);

@@ -97,7 +97,12 @@ void DeleteCounted(void* data) {
 // bytes to the allocating thread's tally. `allocate` is declared both const
 // (the LibTorch 1.x virtual) and non-const (2.x), and copy_data (pure in 2.x)
 // is provided, so one class compiles against both; none is marked override
-// for the same reason.
+// for the same reason (clang's -Winconsistent-missing-override, on in its
+// -Wall, is silenced for this class only).
+#if defined(__clang__)
+#pragma clang diagnostic push
+#pragma clang diagnostic ignored "-Winconsistent-missing-override"
+#endif
 class CountingAllocator final : public c10::Allocator {
  public:
   c10::DataPtr allocate(size_t n) const { return Allocate(n); }
@@ -119,6 +124,9 @@ class CountingAllocator final : public c10::Allocator {
     return c10::DataPtr(data, data, &DeleteCounted, cpu);
   }
 };
+#if defined(__clang__)
+#pragma clang diagnostic pop
+#endif
 
 std::atomic<bool> g_installed{false};
 

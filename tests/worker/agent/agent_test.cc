@@ -83,7 +83,10 @@ class FakeCoordinator final : public CoordinatorService::Service {
   grpc::Status StoreGet(grpc::ServerContext*, const v1::StoreGetRequest* req,
                         v1::StoreGetResponse* resp) override {
     absl::MutexLock lock(&mu_);
-    auto present = [&] { return store_.count(req->key()) > 0; };
+    // Abseil evaluates a Condition with mu_ held.
+    auto present = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return store_.count(req->key()) > 0;
+    };
     if (!mu_.AwaitWithTimeout(absl::Condition(&present),
                               absl::Milliseconds(req->timeout_ms()))) {
       return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
@@ -95,7 +98,7 @@ class FakeCoordinator final : public CoordinatorService::Service {
   grpc::Status StoreWait(grpc::ServerContext*, const v1::StoreWaitRequest* req,
                          v1::StoreWaitResponse*) override {
     absl::MutexLock lock(&mu_);
-    auto present = [&] {
+    auto present = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
       for (const auto& k : req->keys()) {
         if (!store_.count(k)) return false;
       }

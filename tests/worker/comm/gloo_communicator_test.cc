@@ -46,7 +46,9 @@ class CollectivesTest
 // Every collective at one world size and dtype, uneven element counts, sum and
 // average.
 TEST_P(CollectivesTest, AllCollectivesMatchReference) {
-  const auto [world, dtype] = GetParam();
+  // Not a structured binding: lambdas capture those only from C++20 (clang).
+  const int world = std::get<0>(GetParam());
+  const DataType dtype = std::get<1>(GetParam());
   InMemoryStore store;
   auto comms = MakeGroup(store, "collectives", world, kTimeout);
   ASSERT_EQ(comms.size(), static_cast<size_t>(world));

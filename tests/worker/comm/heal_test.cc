@@ -3,6 +3,7 @@
 // Gloo) and the broadcast fallback of backends without SendRecv.
 #include "worker/comm/heal.h"
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -138,7 +139,8 @@ TEST_P(HealTest, TargetsEndBitwiseEqualToTheSources) {
   expected.Fill(42);
   for (int r : c.sources) states[r].Fill(42);
   for (int r : c.targets) {
-    for (auto& s : states[r].storage) std::memset(s.data(), 0xab, s.size());
+    // Not memset: the empty buffer's data() is null (UBSan).
+    for (auto& s : states[r].storage) std::fill(s.begin(), s.end(), '\xab');
   }
   HealRoles roles{c.sources, c.targets};
   RunOnRanks(c.world, [&](int rank) {

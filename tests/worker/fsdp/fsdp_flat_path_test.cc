@@ -129,8 +129,11 @@ GptRun TrainGpt(const models::GptConfig& model_config, MeshComms comms,
     for (int mb = 0; mb < config.microbatches; ++mb) {
       s = engine->Apply(schedule, mb);
       EXPECT_TRUE(s.ok()) << s;
-      auto [tokens, targets] =
+      // Not a structured binding: the loss lambda captures `targets`.
+      const auto batch =
           GptBatch(model_config, step, dp_rank * local + mb * per_mb, per_mb);
+      const at::Tensor& tokens = batch.first;
+      const at::Tensor& targets = batch.second;
       at::Tensor loss =
           engine->Root().Forward(tokens, [&](const at::Tensor& t) {
             return gpt->Loss(t, targets) /

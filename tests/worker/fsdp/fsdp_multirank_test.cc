@@ -471,7 +471,10 @@ TEST(GptIntegrationTest, BlockRunnerUsageMatchesPlainTraining) {
     const int local = kGlobalBatch / shape.world_size();
     for (int step = 0; step < kSteps; ++step) {
       ASSERT_TRUE(engine->Apply(schedule, 0).ok());
-      auto [tokens, targets] = batch(step, ctx.rank * local, local);
+      // Not a structured binding: the loss lambda captures `targets`.
+      const auto data = batch(step, ctx.rank * local, local);
+      const at::Tensor& tokens = data.first;
+      const at::Tensor& targets = data.second;
       at::Tensor loss = engine->Root().Forward(
           tokens, [&](const at::Tensor& t) { return gpt->Loss(t, targets); });
       loss.backward();
