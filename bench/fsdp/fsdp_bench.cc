@@ -26,6 +26,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -180,7 +181,8 @@ std::pair<at::Tensor, at::Tensor> Tokens(const models::GptConfig& config,
 
 void StepTime(const models::GptConfig& config, const Flags& flags) {
   torch::manual_seed(kSeed);
-  auto [tokens, targets] = Tokens(config, flags.batch);
+  at::Tensor tokens, targets;
+  std::tie(tokens, targets) = Tokens(config, flags.batch);
   models::Gpt plain(config, kSeed);
   torch::optim::AdamW plain_opt(plain->parameters());
   auto plain_step = [&] {
@@ -227,7 +229,9 @@ void MemoryRatio(const models::GptConfig& config, const Flags& flags,
                  int shards, Transport transport) {
   RunRanks(shards, transport, [&](int rank, comm::DeviceMesh& mesh) {
     ShardedGpt sharded(config, mesh);
-    auto [tokens, targets] = Tokens(config, std::max(1, flags.batch / shards));
+    at::Tensor tokens, targets;
+    std::tie(tokens, targets) =
+        Tokens(config, std::max(1, flags.batch / shards));
     // Grads are inspected before zero_grad: run forward/backward/step by hand.
     at::Tensor loss = sharded.engine->Root().Forward(
         tokens,
@@ -413,7 +417,9 @@ void ScheduledSteps(const models::GptConfig& config, const Flags& flags,
                                    : std::move(schedule));
     }
     torch::manual_seed(kSeed + rank);
-    auto [tokens, targets] = Tokens(config, std::max(1, flags.batch / kWorld));
+    at::Tensor tokens, targets;
+    std::tie(tokens, targets) =
+        Tokens(config, std::max(1, flags.batch / kWorld));
     auto plain_step = [&] {
       plain->Loss(tokens, targets).backward();
       plain_opt.step();
@@ -477,7 +483,9 @@ void TracedSteps(const models::GptConfig& config, const Flags& flags,
     const hsdp::v1::StepSchedule schedule =
         planner.Plan(hsdp::v1::Policy(), coordinator::PlanInput());
     torch::manual_seed(kSeed + rank);
-    auto [tokens, targets] = Tokens(config, std::max(1, flags.batch / kWorld));
+    at::Tensor tokens, targets;
+    std::tie(tokens, targets) =
+        Tokens(config, std::max(1, flags.batch / kWorld));
     TraceRecorder recorder;
     auto step = [&](bool traced) {
       sharded.engine->SetTraceRecorder(traced ? &recorder : nullptr);

@@ -56,7 +56,7 @@ constexpr int64_t kSeed = 1234;
 // Index of the aggregate pool in the allocator's per-pool stat arrays
 // (StatType::AGGREGATE in every LibTorch version; the enum itself moved
 // namespaces in 2.x, the index did not).
-constexpr size_t kAggregatePool = 0;
+[[maybe_unused]] constexpr size_t kAggregatePool = 0;
 constexpr absl::Duration kCollectiveTimeout = absl::Minutes(5);
 
 struct Options {
