@@ -138,6 +138,31 @@ std::map<std::string, at::Tensor> LoadParams(const std::string& path) {
   return out;
 }
 
+int RunReference(int world, int microbatches, int64_t steps,
+                 const std::string& report, const std::string& params,
+                 const std::string& log,
+                 const std::vector<std::string>& extra) {
+  std::vector<std::string> argv = {Bin("hsdp-worker"),
+                                   "--reference",
+                                   "--world-size",
+                                   std::to_string(world),
+                                   "--microbatches",
+                                   std::to_string(microbatches),
+                                   "--model",
+                                   "gpt-tiny",
+                                   "--dims",
+                                   kDims,
+                                   "--steps",
+                                   std::to_string(steps),
+                                   "--microbatch-size",
+                                   "2",
+                                   "--report-file",
+                                   report};
+  if (!params.empty()) argv.insert(argv.end(), {"--final-params", params});
+  argv.insert(argv.end(), extra.begin(), extra.end());
+  return Wait(Spawn(argv, log));
+}
+
 void ExpectOneLineError(const std::vector<std::string>& argv,
                         const std::string& needle, const std::string& name) {
   Cluster scratch("bad-" + name);  // a directory removed when the test passes

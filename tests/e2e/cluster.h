@@ -64,6 +64,16 @@ void ExpectSameLosses(const std::vector<std::string>& report_paths,
 // A LibTorch archive of named tensors (--final-params).
 std::map<std::string, at::Tensor> LoadParams(const std::string& path);
 
+// Runs the single-process reference (hsdp-worker --reference, gpt-tiny with
+// kDims, microbatch size 2) of a job of `world` ranks x `microbatches` for
+// `steps` steps: its report to `report` and, unless empty, its final
+// parameters to `params`; `extra` flags are appended. Its output goes to
+// `log`. Returns the exit code.
+int RunReference(int world, int microbatches, int64_t steps,
+                 const std::string& report, const std::string& params,
+                 const std::string& log,
+                 const std::vector<std::string>& extra = {});
+
 // Runs argv to completion; expects a non-zero exit and exactly one line on
 // stderr/stdout that contains `needle`.
 void ExpectOneLineError(const std::vector<std::string>& argv,

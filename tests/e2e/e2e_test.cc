@@ -80,13 +80,10 @@ TEST(E2eTest, ShardedTwoByTwoMatchesSingleProcessReference) {
   ASSERT_EQ(sharded_steps.size(), static_cast<size_t>(kParitySteps));
   const std::string ref_params = c.dir() + "/ref.pt";
   const std::string ref_report = c.dir() + "/ref.jsonl";
-  Proc ref = Spawn({Bin("hsdp-worker"), "--reference", "--world-size",
-                    std::to_string(kWorkers), "--microbatches", "1", "--model",
-                    "gpt-tiny", "--dims", kDims, "--steps",
-                    std::to_string(kParitySteps), "--microbatch-size", "2",
-                    "--report-file", ref_report, "--final-params", ref_params},
-                   c.dir() + "/ref.log");
-  ASSERT_EQ(Wait(ref), 0) << ReadFile(ref.log);
+  ASSERT_EQ(RunReference(kWorkers, 1, kParitySteps, ref_report, ref_params,
+                         c.dir() + "/ref.log"),
+            0)
+      << ReadFile(c.dir() + "/ref.log");
 
   std::vector<StepRecord> ref_steps = ReadReport(ref_report);
   ASSERT_EQ(ref_steps.size(), static_cast<size_t>(kParitySteps));
@@ -319,13 +316,10 @@ TEST(E2eControlTest, GradientAccumulationFromThePolicyMatchesReference) {
   c.StartWorkers(kWorkers, {}, kAccumSteps);
   c.WaitWorkers();
   const std::string ref_report = c.dir() + "/ref.jsonl";
-  Proc ref = Spawn(
-      {Bin("hsdp-worker"), "--reference", "--world-size",
-       std::to_string(kWorkers), "--microbatches", "2", "--model", "gpt-tiny",
-       "--dims", kDims, "--steps", std::to_string(kAccumSteps),
-       "--microbatch-size", "2", "--report-file", ref_report},
-      c.dir() + "/ref.log");
-  ASSERT_EQ(Wait(ref), 0) << ReadFile(ref.log);
+  ASSERT_EQ(RunReference(kWorkers, 2, kAccumSteps, ref_report, "",
+                         c.dir() + "/ref.log"),
+            0)
+      << ReadFile(c.dir() + "/ref.log");
   std::vector<StepRecord> sharded = ReadReport(c.report(0));
   std::vector<StepRecord> reference = ReadReport(ref_report);
   ASSERT_EQ(sharded.size(), static_cast<size_t>(kAccumSteps));

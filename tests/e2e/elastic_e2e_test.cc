@@ -217,12 +217,10 @@ TEST(ElasticE2eTest, AReplacementJoinsIsHealedBitwiseAndTrains) {
   // training on it (the reduction order differs between meshes: fp32
   // tolerance).
   const std::string reference = c.dir() + "/reference.jsonl";
-  Proc ref =
-      Spawn({Bin("hsdp-worker"), "--reference", "--model", "gpt-tiny", "--dims",
-             kDims, "--steps", std::to_string(kHealSteps), "--microbatch-size",
-             "2", "--world-size", "4", "--report-file", reference},
-            c.dir() + "/reference.log");
-  ASSERT_EQ(Wait(ref), 0) << ReadFile(c.dir() + "/reference.log");
+  ASSERT_EQ(
+      RunReference(4, 1, kHealSteps, reference, "", c.dir() + "/reference.log"),
+      0)
+      << ReadFile(c.dir() + "/reference.log");
   const std::vector<StepRecord> want = ReadReport(reference);
   const std::vector<Line> got = ReadLines(c.report(0));
   ASSERT_EQ(want.size(), got.size());

@@ -170,24 +170,11 @@ TEST(ElasticSoakTest, RandomKillsAndRejoinsKeepTheLedgerAndTheParameters) {
     if (std::filesystem::exists(w.params)) final_params = w.params;
   ASSERT_FALSE(final_params.empty());
   const std::string reference = c.dir() + "/reference.pt";
-  std::vector<std::string> ref_argv = {Bin("hsdp-worker"),
-                                       "--reference",
-                                       "--model",
-                                       "gpt-tiny",
-                                       "--dims",
-                                       kDims,
-                                       "--steps",
-                                       std::to_string(steps),
-                                       "--microbatch-size",
-                                       "2",
-                                       "--world-size",
-                                       std::to_string(kWorld),
-                                       "--final-params",
-                                       reference};
-  ref_argv.insert(ref_argv.end(), flags.begin(), flags.end());
-  Proc ref = Spawn(ref_argv, c.dir() + "/reference.log");
-  ASSERT_EQ(Wait(ref, std::chrono::seconds(600)), 0)
-      << ReadFile(c.dir() + "/reference.log");
+  const std::string log = c.dir() + "/reference.log";
+  ASSERT_EQ(RunReference(kWorld, 1, steps, c.dir() + "/reference.jsonl",
+                         reference, log, flags),
+            0)
+      << ReadFile(log);
   const auto got = LoadParams(final_params);
   const auto want = LoadParams(reference);
   ASSERT_EQ(got.size(), want.size());

@@ -51,27 +51,10 @@ JobRun Reference(const std::string& name, int world,
   Cluster scratch(name);
   const std::string report = scratch.dir() + "/ref.jsonl";
   const std::string params = scratch.dir() + "/ref.pt";
-  std::vector<std::string> argv = {Bin("hsdp-worker"),
-                                   "--reference",
-                                   "--world-size",
-                                   std::to_string(world),
-                                   "--microbatches",
-                                   std::to_string(microbatches),
-                                   "--model",
-                                   "gpt-tiny",
-                                   "--dims",
-                                   kDims,
-                                   "--steps",
-                                   std::to_string(steps),
-                                   "--microbatch-size",
-                                   "2",
-                                   "--report-file",
-                                   report,
-                                   "--final-params",
-                                   params};
-  argv.insert(argv.end(), flags.begin(), flags.end());
-  Proc ref = Spawn(argv, scratch.dir() + "/ref.log");
-  EXPECT_EQ(Wait(ref), 0) << ReadFile(ref.log);
+  const std::string log = scratch.dir() + "/ref.log";
+  EXPECT_EQ(
+      RunReference(world, microbatches, steps, report, params, log, flags), 0)
+      << ReadFile(log);
   return JobRun{ReadReport(report), LoadParams(params)};
 }
 
