@@ -158,6 +158,10 @@ void Membership::FormLocked() {
       if (restored.outcome == FormationOutcome::kFormed) {
         plan = std::move(restored);
         restore_step = checkpoint;
+      } else if (restored.outcome == FormationOutcome::kTooFewReplicas) {
+        // Every worker was lost at once (a partition, a coordinator that
+        // could not hear them): wait for enough of them to restore.
+        plan = std::move(restored);
       }
     }
   }

@@ -462,6 +462,33 @@ TEST_F(ElasticTest, NoLiveCopyWithACheckpointRestartsFromIt) {
   EXPECT_EQ(m->last_committed_step(), 2);
 }
 
+// Every worker is lost at once (a partition, or a coordinator that could not
+// hear them), with a checkpoint of every shard: the job waits for workers
+// instead of failing, and the ones that come back restore the checkpoint.
+TEST_F(ElasticTest, EveryWorkerLostWithACheckpointWaitsThenRestores) {
+  auto m = Make({2, 2});
+  const std::vector<int64_t> ids = JoinAll(*m);
+  for (int step = 0; step < 4; ++step) Commit(*m, step);
+  listener_.last_checkpoint_step = 1;
+  Lose(*m, {}, ids);
+  WaitForState(*m, hsdp::v1::JOB_STATE_WAITING);
+  const int64_t a = JoinLate(*m, "back-0");
+  const int64_t b = JoinLate(*m, "back-1");
+  auto wa = ConfirmAsync(*m, a, -1);
+  auto wb = ConfirmAsync(*m, b, -1);
+  absl::StatusOr<AwaitResult> ra = wa.get();
+  absl::StatusOr<AwaitResult> rb = wb.get();
+  ASSERT_TRUE(ra.ok()) << ra.status();
+  ASSERT_TRUE(rb.ok()) << rb.status();
+  ASSERT_EQ(ra->outcome, hsdp::v1::AWAIT_OUTCOME_FORMED) << ra->message;
+  EXPECT_EQ(rb->outcome, hsdp::v1::AWAIT_OUTCOME_FORMED);
+  const hsdp::v1::Generation& g = ra->generation;
+  EXPECT_TRUE(g.restore_from_checkpoint());
+  EXPECT_EQ(g.start_step(), 2);
+  EXPECT_EQ(g.mesh().replicate(), 1);
+  EXPECT_NE(m->job_state(), hsdp::v1::JOB_STATE_FAILED);
+}
+
 // R = 1: losing a worker loses its shard.
 TEST_F(ElasticTest, OneReplicaLosingAWorkerStopsTheJob) {
   auto m = Make({1, 2});
