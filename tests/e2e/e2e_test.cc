@@ -138,10 +138,14 @@ TEST(E2eTest, PolicyChangeMidRunKeepsLossesBitwiseAndRaisesPeak) {
   EXPECT_GT(r0.back().peak, r0.front().peak);
 }
 
+// The heartbeat timeout is short: workers must reach the restarted
+// coordinator well within it (gRPC re-resolves the name before reconnecting),
+// or it declares them all lost.
 TEST(E2eTest, CoordinatorKilledAndRestartedLosesNoStep) {
   Baseline();
   Cluster c("restart");
-  c.StartCoordinator(kWorkers, kMesh);
+  const std::vector<std::string> flags = {"--heartbeat-timeout", "6"};
+  c.StartCoordinator(kWorkers, kMesh, 0, "", flags);
   const int port = c.port();
   c.StartWorkers(kWorkers);
   ASSERT_TRUE(c.WaitForSteps(5));
@@ -149,7 +153,7 @@ TEST(E2eTest, CoordinatorKilledAndRestartedLosesNoStep) {
   // The kill must land mid-run for the test to mean anything.
   ASSERT_LT(StepsReported(c.report(0)), kSteps);
   std::this_thread::sleep_for(std::chrono::milliseconds(1500));
-  c.StartCoordinator(kWorkers, kMesh, port);
+  c.StartCoordinator(kWorkers, kMesh, port, "", flags);
   c.WaitWorkers();
   ExpectSameAsBaseline(c);
 }

@@ -32,6 +32,11 @@ constexpr int kDefaultHeartbeatMs = 1000;
 // on idle channels.
 constexpr int kKeepaliveTimeMs = 10000;
 constexpr int kKeepaliveTimeoutMs = 5000;
+// After the coordinator's connection drops, the channel re-resolves its name
+// before connecting again; gRPC's DNS resolver allows that only once per 30 s
+// by default, longer than a heartbeat timeout, so a restarted coordinator
+// would see none of its workers in time and declare them all lost.
+constexpr int kMinTimeBetweenResolutionsMs = 500;
 
 // Adds `authorization: Bearer <job token>` to the initial metadata of every
 // call on the channel.
@@ -133,6 +138,8 @@ Agent::Agent(AgentOptions options) : options_(std::move(options)) {
   args.SetInt(
       GRPC_ARG_MAX_RECONNECT_BACKOFF_MS,
       static_cast<int>(absl::ToInt64Milliseconds(options_.max_backoff)));
+  args.SetInt(GRPC_ARG_DNS_MIN_TIME_BETWEEN_RESOLUTIONS_MS,
+              kMinTimeBetweenResolutionsMs);
   std::shared_ptr<grpc::ChannelCredentials> creds;
   setup_ = CheckTlsOptions(options_);
   if (options_.tls_ca_pem.empty()) {
