@@ -216,33 +216,74 @@ std::vector<std::string> MergeFlags(const std::vector<std::string>& defaults,
 
 }  // namespace
 
+std::vector<std::string> CoordinatorArgv(
+    const std::string& dir, int world, const std::string& mesh,
+    const std::string& listen, const std::vector<std::string>& extra) {
+  const std::vector<std::string> args = {Bin("hsdp-coordinator"),
+                                         "--job-id",
+                                         "e2e",
+                                         "--world-size",
+                                         std::to_string(world),
+                                         "--mesh",
+                                         mesh,
+                                         "--listen",
+                                         listen,
+                                         "--port-file",
+                                         dir + "/port",
+                                         "--state-dir",
+                                         dir + "/state",
+                                         "--metrics-listen",
+                                         "",
+                                         "--heartbeat-timeout",
+                                         "30"};
+  return MergeFlags(args, extra, "");
+}
+
+std::vector<std::string> WorkerArgv(const std::string& coordinator, int rank,
+                                    const std::string& report,
+                                    const std::vector<std::string>& extra,
+                                    int64_t steps) {
+  const std::vector<std::string> args = {Bin("hsdp-worker"),
+                                         "--coordinator",
+                                         coordinator,
+                                         "--job-id",
+                                         "e2e",
+                                         "--rank-hint",
+                                         std::to_string(rank),
+                                         "--model",
+                                         "gpt-tiny",
+                                         "--dims",
+                                         kDims,
+                                         "--steps",
+                                         std::to_string(steps),
+                                         "--microbatch-size",
+                                         "2",
+                                         "--gloo-hostname",
+                                         "127.0.0.1",
+                                         "--report-file",
+                                         report,
+                                         "--collective-timeout",
+                                         "60",
+                                         "--coordinator-timeout",
+                                         "60"};
+  // An extra --model drops the GPT's --dims too.
+  const bool own_model =
+      std::find(extra.begin(), extra.end(), "--model") != extra.end();
+  return MergeFlags(args, extra, own_model ? "--dims" : "");
+}
+
 void Cluster::StartCoordinator(int world, const std::string& mesh, int port,
                                const std::string& policy_file,
                                const std::vector<std::string>& extra) {
   const std::string port_file = dir_ + "/port";
   fs::remove(port_file);
-  std::vector<std::string> args = {Bin("hsdp-coordinator"),
-                                   "--job-id",
-                                   "e2e",
-                                   "--world-size",
-                                   std::to_string(world),
-                                   "--mesh",
-                                   mesh,
-                                   "--listen",
-                                   absl::StrCat("127.0.0.1:", port),
-                                   "--port-file",
-                                   port_file,
-                                   "--state-dir",
-                                   dir_ + "/state",
-                                   "--metrics-listen",
-                                   "",
-                                   "--heartbeat-timeout",
-                                   "30"};
+  std::vector<std::string> flags = extra;
   if (!policy_file.empty()) {
-    args.push_back("--policy-file");
-    args.push_back(policy_file);
+    flags.insert(flags.begin(), {"--policy-file", policy_file});
   }
-  coordinator_ = Spawn(MergeFlags(args, extra, ""), dir_ + "/coordinator.log");
+  const std::vector<std::string> args = CoordinatorArgv(
+      dir_, world, mesh, absl::StrCat("127.0.0.1:", port), flags);
+  coordinator_ = Spawn(args, dir_ + "/coordinator.log");
   const auto deadline = Clock::now() + std::chrono::seconds(20);
   while (Clock::now() < deadline) {
     std::string text = ReadFile(port_file);
@@ -256,33 +297,7 @@ void Cluster::StartCoordinator(int world, const std::string& mesh, int port,
 
 Proc Cluster::StartWorker(int rank, const std::vector<std::string>& extra,
                           int64_t steps) {
-  std::vector<std::string> args = {Bin("hsdp-worker"),
-                                   "--coordinator",
-                                   address(),
-                                   "--job-id",
-                                   "e2e",
-                                   "--rank-hint",
-                                   std::to_string(rank),
-                                   "--model",
-                                   "gpt-tiny",
-                                   "--dims",
-                                   kDims,
-                                   "--steps",
-                                   std::to_string(steps),
-                                   "--microbatch-size",
-                                   "2",
-                                   "--gloo-hostname",
-                                   "127.0.0.1",
-                                   "--report-file",
-                                   report(rank),
-                                   "--collective-timeout",
-                                   "60",
-                                   "--coordinator-timeout",
-                                   "60"};
-  // An extra --model drops the GPT's --dims too.
-  const bool own_model =
-      std::find(extra.begin(), extra.end(), "--model") != extra.end();
-  return Spawn(MergeFlags(args, extra, own_model ? "--dims" : ""),
+  return Spawn(WorkerArgv(address(), rank, report(rank), extra, steps),
                absl::StrCat(dir_, "/worker-", rank, ".log"));
 }
 

@@ -79,6 +79,19 @@ int RunReference(int world, int microbatches, int64_t steps,
 void ExpectOneLineError(const std::vector<std::string>& argv,
                         const std::string& needle, const std::string& name);
 
+// The command lines a Cluster starts: the coordinator of job "e2e" with its
+// port file and state under `dir`, listening on `listen`; a gpt-tiny worker
+// (kDims) of rank hint `rank` writing `report`. A flag in `extra` replaces the
+// default of the same name; an extra --model replaces gpt-tiny and kDims.
+std::vector<std::string> CoordinatorArgv(const std::string& dir, int world,
+                                         const std::string& mesh,
+                                         const std::string& listen,
+                                         const std::vector<std::string>& extra);
+std::vector<std::string> WorkerArgv(const std::string& coordinator, int rank,
+                                    const std::string& report,
+                                    const std::vector<std::string>& extra,
+                                    int64_t steps);
+
 // A coordinator and workers under a scratch directory that is removed when the
 // test passes (kept for inspection when it fails).
 class Cluster {

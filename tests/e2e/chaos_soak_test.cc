@@ -1,0 +1,620 @@
+// The chaos soak (label chaos; not in the default test set, see
+// tests/e2e/CMakeLists.txt and README.md "Chaos soak"). A 2x2 job of real
+// processes, each in its own network namespace ("pod"), trains for hundreds of
+// steps while a driver injects one fault at a time:
+//   - SIGKILL or SIGSTOP (then SIGCONT) of a worker or of the coordinator;
+//   - a worker's or the coordinator's link delayed and lossy (tc), or cut;
+//   - the coordinator's state disk (a size-limited tmpfs) filled up.
+// A supervisor restarts every process that exits before the job is done, with
+// the same command line, as a Kubernetes pod would be restarted. A fault is
+// recovered when a step commits after it ends. The job must either finish with
+// final parameters equal (within fp32 reduction-order tolerance) to an
+// undisturbed single-process run, or stop with a clear error (the coordinator
+// reports FAILED with a reason). It must never go without a committed step for
+// longer than its timeouts allow (a hang), and every restarted coordinator must
+// read its state directory. The counts are printed at the end.
+//
+//   build/tests/e2e/chaos_soak_test   (root; env HSDP_CHAOS_STEPS,
+//   HSDP_CHAOS_SEED, HSDP_CHAOS_FAULTS=kill-worker,stop-coordinator,...)
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <random>
+#include <thread>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "tests/e2e/chaos_env.h"
+#include "tests/e2e/cluster.h"
+
+namespace hsdp::e2e {
+namespace {
+
+namespace fs = std::filesystem;
+using std::chrono::milliseconds;
+using std::chrono::seconds;
+
+constexpr int kReplicas = 2;
+constexpr int kShards = 2;
+constexpr int kWorld = kReplicas * kShards;
+constexpr int kPort = 50051;
+constexpr double kParamTolerance = 1e-6;
+constexpr int kCheckpointInterval = 25;
+constexpr int64_t kStateDiskBytes = 32 << 20;
+// The longest a fault may leave the job without a committed step once it
+// ended: the collective timeout (30 s) + heartbeat timeout + reform window +
+// a restart and a rendezvous, with room for a loaded 2-core machine.
+constexpr auto kRecoveryBound = seconds(180);
+constexpr auto kRestartBackoff = milliseconds(1000);
+constexpr auto kPoll = milliseconds(100);
+
+int EnvInt(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  int out = 0;
+  return v != nullptr && absl::SimpleAtoi(v, &out) ? out : fallback;
+}
+
+enum class Fault {
+  kKillWorker,
+  kStopWorker,
+  kKillCoordinator,
+  kStopCoordinator,
+  kLossyLink,
+  kCutLink,
+  kFullDisk,
+};
+constexpr Fault kFaults[] = {Fault::kKillWorker,      Fault::kStopWorker,
+                             Fault::kKillCoordinator, Fault::kStopCoordinator,
+                             Fault::kLossyLink,       Fault::kCutLink,
+                             Fault::kFullDisk};
+
+const char* FaultName(Fault f) {
+  switch (f) {
+    case Fault::kKillWorker:
+      return "kill-worker";
+    case Fault::kStopWorker:
+      return "stop-worker";
+    case Fault::kKillCoordinator:
+      return "kill-coordinator";
+    case Fault::kStopCoordinator:
+      return "stop-coordinator";
+    case Fault::kLossyLink:
+      return "lossy-link";
+    case Fault::kCutLink:
+      return "cut-link";
+    case Fault::kFullDisk:
+      return "full-disk";
+  }
+  return "?";
+}
+
+// HSDP_CHAOS_FAULTS: a comma-separated subset of the fault names (default:
+// all of them).
+std::vector<Fault> FaultsFromEnv() {
+  const char* v = std::getenv("HSDP_CHAOS_FAULTS");
+  std::vector<Fault> out;
+  for (const Fault f : kFaults) {
+    if (v == nullptr) {
+      out.push_back(f);
+      continue;
+    }
+    for (absl::string_view name : absl::StrSplit(v, ',')) {
+      if (name == FaultName(f)) out.push_back(f);
+    }
+  }
+  return out;
+}
+
+// One pod: a process restarted with the same command line until it exits 0.
+// Each incarnation writes its own report and final-parameter files.
+struct Pod {
+  std::string name;
+  std::string address;
+  int rank = -1;  // -1: the coordinator
+  Proc proc;
+  bool running = false;
+  bool done = false;  // exited 0
+  int last_rc = 0;
+  int incarnations = 0;
+  Clock::time_point restart_at;
+  std::vector<std::string> reports;
+  std::vector<std::string> params;
+};
+
+class ChaosSoak {
+ public:
+  ChaosSoak(Cluster& cluster, PodNetwork& net, SizedTmpfs& disk,
+            std::string state_root, int steps, unsigned seed,
+            std::vector<Fault> faults)
+      : faults_(std::move(faults)),
+        c_(cluster),
+        net_(net),
+        disk_(disk),
+        state_root_(std::move(state_root)),
+        steps_(steps),
+        rng_(seed) {}
+
+  ~ChaosSoak() {
+    std::vector<Pod*> pods = {&coordinator_};
+    for (Pod& w : workers_) pods.push_back(&w);
+    for (Pod* p : pods) {
+      if (!p->running) continue;
+      kill(p->proc.pid, SIGKILL);
+      waitpid(p->proc.pid, nullptr, 0);
+    }
+  }
+  ChaosSoak(const ChaosSoak&) = delete;
+  ChaosSoak& operator=(const ChaosSoak&) = delete;
+
+  void AddPods() {
+    coordinator_.name = "coordinator";
+    coordinator_.address = *net_.AddPod(coordinator_.name);
+    for (int r = 0; r < kWorld; ++r) {
+      Pod w;
+      w.name = absl::StrCat("worker", r);
+      w.rank = r;
+      absl::StatusOr<std::string> address = net_.AddPod(w.name);
+      ASSERT_TRUE(address.ok()) << address.status();
+      w.address = *address;
+      workers_.push_back(w);
+    }
+  }
+
+  void Start() {
+    policy_ = c_.dir() + "/policy.json";
+    std::ofstream(policy_) << "{\"checkpointInterval\": " << kCheckpointInterval
+                           << "}\n";
+    StartCoordinator();
+    ASSERT_TRUE(WaitServing()) << ReadFile(coordinator_.proc.log);
+    for (Pod& w : workers_) StartWorker(w);
+  }
+
+  // Runs the job to its end under faults. Returns false on a hang.
+  bool Run() {
+    const auto deadline = Clock::now() + seconds(60 * 60);
+    auto next_fault = Clock::now() + seconds(8);
+    int64_t lines_at_fault_end = -1;  // >= 0: waiting for a committed step
+    Clock::time_point fault_ended;
+    last_progress_ = Clock::now();
+    while (Clock::now() < deadline) {
+      std::this_thread::sleep_for(kPoll);
+      Supervise();
+      if (failed_ || AllDone()) return true;
+      const int64_t lines = CommittedLines();
+      if (lines != lines_) {
+        lines_ = lines;
+        last_progress_ = Clock::now();
+      }
+      if (lines_at_fault_end >= 0 && lines > lines_at_fault_end) {
+        const double took =
+            std::chrono::duration<double>(Clock::now() - fault_ended).count();
+        ++recovered_;
+        max_recovery_s_ = std::max(max_recovery_s_, took);
+        lines_at_fault_end = -1;
+        next_fault = Clock::now() + milliseconds(Uniform(2000, 6000));
+      }
+      if (Clock::now() - last_progress_ > kRecoveryBound) {
+        std::cout << "chaos: HANG: no committed step for "
+                  << std::chrono::duration_cast<seconds>(kRecoveryBound).count()
+                  << " s" << (active_.empty() ? "" : " after ") << active_
+                  << "\n";
+        ++hangs_;
+        return false;
+      }
+      // Faults until 90% of the steps: the end of the job is left alone.
+      if (lines_at_fault_end < 0 && Clock::now() >= next_fault &&
+          MaxStep() < steps_ * 9 / 10) {
+        Inject();
+        lines_at_fault_end = CommittedLines();
+        fault_ended = Clock::now();
+        last_progress_ = std::max(last_progress_, fault_ended);
+      }
+    }
+    ++hangs_;
+    std::cout << "chaos: HANG: the job did not end within an hour\n";
+    return false;
+  }
+
+  // Kills the coordinator and starts it again on the state it left: it must
+  // read it and report the job's final state.
+  std::string RestartAndReadState() {
+    kill(coordinator_.proc.pid, SIGKILL);
+    waitpid(coordinator_.proc.pid, nullptr, 0);
+    coordinator_.running = false;
+    StartCoordinator();
+    if (!WaitServing()) return "";
+    return StatusField("state");
+  }
+
+  std::string FinalParams() const {
+    std::string newest;
+    fs::file_time_type when;
+    for (const Pod& w : workers_) {
+      for (const std::string& p : w.params) {
+        std::error_code ec;
+        const auto t = fs::last_write_time(p, ec);
+        if (!ec && (newest.empty() || t > when)) {
+          newest = p;
+          when = t;
+        }
+      }
+    }
+    return newest;
+  }
+
+  const std::vector<std::string>& Flags() const { return flags_; }
+  bool failed() const { return failed_; }
+  const std::string& failure() const { return failure_; }
+
+  void PrintCounts() const {
+    std::vector<std::string> kinds;
+    int total = 0;
+    for (const auto& [kind, n] : injected_) {
+      kinds.push_back(absl::StrCat(FaultName(kind), " ", n));
+      total += n;
+    }
+    std::cout << "chaos: " << total << " faults injected ("
+              << absl::StrJoin(kinds, ", ") << "); " << recovered_
+              << " recovered (slowest " << max_recovery_s_ << " s); "
+              << (failed_ ? 1 : 0) << " clear failures; " << hangs_
+              << " hangs; " << restarts_ << " automatic restarts; "
+              << unreadable_state_ << " unreadable state directories\n";
+    if (!impairments_.empty()) {
+      std::cout << "chaos: link impairments: " << impairments_ << "\n";
+    }
+  }
+
+  int hangs() const { return hangs_; }
+  int unreadable_state() const { return unreadable_state_; }
+  int total_faults() const {
+    int n = 0;
+    for (const auto& [kind, count] : injected_) n += count;
+    return n;
+  }
+  int recovered() const { return recovered_; }
+
+ private:
+  int Uniform(int lo, int hi) {
+    return std::uniform_int_distribution<int>(lo, hi)(rng_);
+  }
+
+  std::string CoordinatorAddress() const {
+    return absl::StrCat(coordinator_.address, ":", kPort);
+  }
+
+  void StartCoordinator() {
+    fs::remove(c_.dir() + "/port");
+    std::vector<std::string> argv =
+        CoordinatorArgv(c_.dir(), kWorld, absl::StrCat(kReplicas, "x", kShards),
+                        absl::StrCat("0.0.0.0:", kPort),
+                        {"--state-dir", state_root_ + "/state", "--policy-file",
+                         policy_, "--heartbeat-timeout", "4", "--reform-window",
+                         "2", "--join-wait", "30", "--min-replicas", "1"});
+    coordinator_.proc = Spawn(net_.Exec(coordinator_.name, argv),
+                              c_.dir() + "/coordinator.log");
+    coordinator_.running = true;
+    ++coordinator_.incarnations;
+  }
+
+  bool WaitServing() {
+    const auto deadline = Clock::now() + seconds(30);
+    while (Clock::now() < deadline) {
+      int port = 0;
+      if (absl::SimpleAtoi(
+              absl::StripAsciiWhitespace(ReadFile(c_.dir() + "/port")),
+              &port) &&
+          port > 0) {
+        return true;
+      }
+      int status = 0;
+      if (waitpid(coordinator_.proc.pid, &status, WNOHANG) ==
+          coordinator_.proc.pid) {
+        coordinator_.running = false;
+        return false;
+      }
+      std::this_thread::sleep_for(milliseconds(50));
+    }
+    return false;
+  }
+
+  void StartWorker(Pod& w) {
+    const int n = w.incarnations++;
+    const std::string base = absl::StrCat(c_.dir(), "/", w.name, "-", n);
+    w.reports.push_back(base + ".jsonl");
+    w.params.push_back(base + ".pt");
+    std::vector<std::string> extra = flags_;
+    extra.insert(extra.end(),
+                 {"--gloo-hostname", w.address, "--final-params",
+                  w.params.back(), "--checkpoint-dir", c_.dir() + "/ckpt",
+                  "--keep-checkpoints", "3", "--threads", "1",
+                  "--collective-timeout", "30", "--coordinator-timeout", "90"});
+    w.proc =
+        Spawn(net_.Exec(w.name, WorkerArgv(CoordinatorAddress(), w.rank,
+                                           w.reports.back(), extra, steps_)),
+              c_.dir() + "/" + w.name + ".log");
+    w.running = true;
+  }
+
+  // Reaps exited processes and restarts them (after a back-off), unless the
+  // job is done or failed.
+  void Supervise() {
+    const auto now = Clock::now();
+    auto reap = [&](Pod& p) {
+      if (!p.running) return false;
+      int status = 0;
+      if (waitpid(p.proc.pid, &status, WNOHANG) != p.proc.pid) return false;
+      p.running = false;
+      p.last_rc =
+          WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      p.restart_at = now + kRestartBackoff;
+      return true;
+    };
+    if (reap(coordinator_)) {
+      const std::string log = ReadFile(coordinator_.proc.log);
+      if (log.find("corrupt") != std::string::npos ||
+          log.find("DATA_LOSS") != std::string::npos) {
+        ++unreadable_state_;
+      }
+    }
+    if (!coordinator_.running && now >= coordinator_.restart_at) {
+      ++restarts_;
+      StartCoordinator();
+    }
+    for (Pod& w : workers_) {
+      if (reap(w)) {
+        if (w.last_rc == 0) {
+          w.done = true;
+          continue;
+        }
+        // A worker that stopped because the job failed: the failure is the
+        // coordinator's to report (asked at most every few seconds).
+        if (now >= next_status_check_) {
+          next_status_check_ = now + seconds(3);
+          if (StatusField("state") == "FAILED") {
+            failed_ = true;
+            const std::string why = StatusField("why");
+            failure_ = why.empty() ? LastLine(ReadFile(w.proc.log)) : why;
+            return;
+          }
+        }
+      }
+      if (!w.running && !w.done && now >= w.restart_at) {
+        ++restarts_;
+        StartWorker(w);
+      }
+    }
+  }
+
+  static std::string LastLine(const std::string& text) {
+    const std::vector<std::string> lines = Lines(text);
+    return lines.empty() ? "" : lines.back();
+  }
+
+  bool AllDone() const {
+    for (const Pod& w : workers_)
+      if (!w.done) return false;
+    return true;
+  }
+
+  int64_t CommittedLines() const {
+    int64_t n = 0;
+    for (const Pod& w : workers_)
+      for (const std::string& r : w.reports) n += StepsReported(r);
+    return n;
+  }
+
+  int64_t MaxStep() const {
+    int64_t best = -1;
+    for (const Pod& w : workers_) {
+      if (w.reports.empty()) continue;
+      const std::vector<std::string> lines = Lines(ReadFile(w.reports.back()));
+      int64_t step = -1;
+      if (!lines.empty() &&
+          absl::SimpleAtoi(Field(lines.back(), "step"), &step))
+        best = std::max(best, step);
+    }
+    return best;
+  }
+
+  // One row of `hsdpctl status`, run in the coordinator's pod.
+  std::string StatusField(const std::string& field) {
+    const std::string log = c_.dir() + "/hsdpctl.out";
+    fs::remove(log);
+    Wait(Spawn(net_.Exec(coordinator_.name,
+                         {Bin("hsdpctl"), "--coordinator",
+                          absl::StrCat("127.0.0.1:", kPort), "status"}),
+               log),
+         seconds(30));
+    for (const std::string& line : Lines(ReadFile(log))) {
+      if (line.rfind(field + " ", 0) != 0) continue;
+      return std::string(absl::StripAsciiWhitespace(line.substr(field.size())));
+    }
+    return "";
+  }
+
+  Pod& RandomRunningWorker() {
+    std::vector<Pod*> running;
+    for (Pod& w : workers_)
+      if (w.running) running.push_back(&w);
+    if (running.empty()) return workers_[Uniform(0, kWorld - 1)];
+    return *running[Uniform(0, static_cast<int>(running.size()) - 1)];
+  }
+
+  // Sleeps `ms` while supervising (a stopped process's peers may exit and be
+  // restarted meanwhile).
+  void Hold(int ms) {
+    const auto until = Clock::now() + milliseconds(ms);
+    while (Clock::now() < until && !failed_) {
+      std::this_thread::sleep_for(kPoll);
+      Supervise();
+    }
+  }
+
+  void Inject() {
+    const Fault f = faults_[Uniform(0, static_cast<int>(faults_.size()) - 1)];
+    ++injected_[f];
+    const int ms = Uniform(1000, 8000);
+    switch (f) {
+      case Fault::kKillWorker: {
+        Pod& w = RandomRunningWorker();
+        active_ = absl::StrCat("SIGKILL ", w.name);
+        if (w.running) kill(w.proc.pid, SIGKILL);
+        break;
+      }
+      case Fault::kStopWorker: {
+        Pod& w = RandomRunningWorker();
+        active_ = absl::StrCat("SIGSTOP ", w.name, " for ", ms, " ms");
+        const pid_t pid = w.proc.pid;
+        if (w.running) kill(pid, SIGSTOP);
+        Hold(ms);
+        kill(pid, SIGCONT);
+        break;
+      }
+      case Fault::kKillCoordinator:
+        active_ = "SIGKILL coordinator";
+        if (coordinator_.running) kill(coordinator_.proc.pid, SIGKILL);
+        break;
+      case Fault::kStopCoordinator: {
+        active_ = absl::StrCat("SIGSTOP coordinator for ", ms, " ms");
+        const pid_t pid = coordinator_.proc.pid;
+        if (coordinator_.running) kill(pid, SIGSTOP);
+        Hold(ms);
+        kill(pid, SIGCONT);
+        break;
+      }
+      case Fault::kLossyLink: {
+        const bool coordinator = Uniform(0, 3) == 0;
+        const std::string pod =
+            coordinator ? coordinator_.name : RandomRunningWorker().name;
+        const int delay = Uniform(20, 200);
+        const int loss = Uniform(1, 10);
+        absl::StatusOr<std::string> what = net_.Impair(pod, delay, loss);
+        active_ =
+            absl::StrCat("impaired link of ", pod, " for ", ms,
+                         " ms: ", what.ok() ? *what : what.status().ToString());
+        if (impairments_.empty() && what.ok()) impairments_ = *what;
+        Hold(ms);
+        net_.Repair(pod);
+        break;
+      }
+      case Fault::kCutLink: {
+        const std::string pod = RandomRunningWorker().name;
+        active_ = absl::StrCat("cut link of ", pod, " for ", ms, " ms");
+        (void)net_.SetLink(pod, false);
+        Hold(ms);
+        (void)net_.SetLink(pod, true);
+        break;
+      }
+      case Fault::kFullDisk: {
+        const int64_t bytes = disk_.Fill();
+        active_ =
+            absl::StrCat("state disk full (", bytes, " bytes) for ", ms, " ms");
+        Hold(ms);
+        disk_.Free();
+        break;
+      }
+    }
+    std::cout << "chaos: fault " << total_faults() << " at step " << MaxStep()
+              << ": " << active_ << std::endl;
+  }
+
+  const std::vector<Fault> faults_;
+  Cluster& c_;
+  PodNetwork& net_;
+  SizedTmpfs& disk_;
+  std::string state_root_;
+  std::string policy_;
+  int steps_;
+  std::mt19937 rng_;
+  const std::vector<std::string> flags_ = {"--optimizer", "sgd", "--lr",
+                                           "0.05"};
+  Pod coordinator_;
+  std::vector<Pod> workers_;
+  std::map<Fault, int> injected_;
+  std::string active_;
+  std::string impairments_;
+  std::string failure_;
+  bool failed_ = false;
+  Clock::time_point next_status_check_;
+  int64_t lines_ = 0;
+  Clock::time_point last_progress_;
+  int recovered_ = 0;
+  double max_recovery_s_ = 0;
+  int hangs_ = 0;
+  int restarts_ = 0;
+  int unreadable_state_ = 0;
+};
+
+TEST(ChaosSoakTest, FaultsEndInTheReferenceParametersOrAClearError) {
+  Cluster c("chaos");
+  absl::StatusOr<std::unique_ptr<PodNetwork>> net = PodNetwork::Create(c.dir());
+  if (!net.ok()) GTEST_SKIP() << net.status().message();
+  const std::string state_root = c.dir() + "/statefs";
+  absl::StatusOr<std::unique_ptr<SizedTmpfs>> disk =
+      SizedTmpfs::Mount(state_root, kStateDiskBytes);
+  if (!disk.ok()) GTEST_SKIP() << disk.status().message();
+
+  const int steps = EnvInt("HSDP_CHAOS_STEPS", 400);
+  const unsigned seed = EnvInt("HSDP_CHAOS_SEED", 1);
+  const std::vector<Fault> faults = FaultsFromEnv();
+  ASSERT_FALSE(faults.empty()) << "HSDP_CHAOS_FAULTS names no fault";
+  ChaosSoak soak(c, **net, **disk, state_root, steps, seed, faults);
+  soak.AddPods();
+  ASSERT_FALSE(::testing::Test::HasFatalFailure());
+  soak.Start();
+  ASSERT_FALSE(::testing::Test::HasFatalFailure());
+  const bool ended = soak.Run();
+  soak.PrintCounts();
+  EXPECT_TRUE(ended) << "the job hung";
+  EXPECT_EQ(soak.hangs(), 0);
+  EXPECT_GT(soak.total_faults(), 0);
+
+  // A restarted coordinator reads what was left in its state directory.
+  const std::string state = soak.RestartAndReadState();
+  std::cout << "chaos: restarted coordinator reads state " << state << "\n";
+  EXPECT_EQ(state, soak.failed() ? "FAILED" : "FINISHED");
+  EXPECT_EQ(soak.unreadable_state(), 0);
+  if (!ended) return;
+  if (soak.failed()) {
+    std::cout << "chaos: the job stopped with a clear error: " << soak.failure()
+              << "\n";
+    EXPECT_FALSE(soak.failure().empty());
+    return;
+  }
+  EXPECT_EQ(soak.recovered(), soak.total_faults());
+
+  const std::string final_params = soak.FinalParams();
+  ASSERT_FALSE(final_params.empty());
+  const std::string reference = c.dir() + "/reference.pt";
+  const std::string log = c.dir() + "/reference.log";
+  ASSERT_EQ(RunReference(kWorld, 1, steps, c.dir() + "/reference.jsonl",
+                         reference, log, soak.Flags()),
+            0)
+      << ReadFile(log);
+  const auto got = LoadParams(final_params);
+  const auto want = LoadParams(reference);
+  ASSERT_EQ(got.size(), want.size());
+  double max_diff = 0;
+  for (const auto& [name, t] : want) {
+    ASSERT_TRUE(got.count(name)) << name;
+    max_diff =
+        std::max(max_diff, (got.at(name) - t).abs().max().item<double>());
+  }
+  std::cout << "chaos: " << steps << " steps; final parameters: max |diff| "
+            << "vs reference " << max_diff << "\n";
+  EXPECT_LE(max_diff, kParamTolerance);
+}
+
+}  // namespace
+}  // namespace hsdp::e2e
