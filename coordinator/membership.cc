@@ -39,6 +39,7 @@ Membership::Membership(Options options, StateStore* store)
   current_.info = FirstGeneration(options_.job_id, options_.mesh);
   current_.voted.assign(options_.world_size, false);
   starts_[0] = 0;
+  last_sweep_ = options_.clock->Now();
 }
 
 absl::StatusOr<std::unique_ptr<Membership>> Membership::Create(
@@ -750,6 +751,20 @@ absl::StatusOr<EvictResult> Membership::Evict(
 
 std::vector<int64_t> Membership::SweepLocked() {
   const absl::Time now = options_.clock->Now();
+  const absl::Duration gap = now - last_sweep_;
+  last_sweep_ = now;
+  if (options_.pause_threshold > absl::ZeroDuration() &&
+      gap > options_.pause_threshold) {
+    // Nobody could have been heard while the coordinator did not run.
+    for (auto& [id, w] : workers_) {
+      if (w.liveness == Liveness::kAlive) {
+        w.last_heartbeat = std::min(now, w.last_heartbeat + gap);
+      }
+    }
+    if (current_.phase == Phase::kEnding) {
+      current_.ended_at = std::min(now, current_.ended_at + gap);
+    }
+  }
   std::vector<int64_t> lost;
   // All of them first: forming a generation must not count one that is lost
   // in this same sweep.

@@ -224,6 +224,12 @@ class Membership {
     absl::Duration reform_window = absl::Seconds(5);
     // Null: Clock::Real().
     Clock* clock = nullptr;
+    // Longer than this between two sweeps, the coordinator itself was not
+    // running (SIGSTOP, a VM pause, a starved host): the time is not held
+    // against workers — their heartbeats, and an ending generation's reform
+    // window, are moved on by the gap. Zero: off (the server sets it above
+    // its sweep period).
+    absl::Duration pause_threshold = absl::ZeroDuration();
   };
 
   // Validates the options (world >= 1, mesh matches world, positive timeout,
@@ -471,6 +477,8 @@ class Membership {
   absl::CondVar changed_;
   std::map<int64_t, Worker> workers_ ABSL_GUARDED_BY(mu_);
   int64_t next_worker_id_ ABSL_GUARDED_BY(mu_) = 1;
+  // The last sweep (Options::pause_threshold).
+  absl::Time last_sweep_ ABSL_GUARDED_BY(mu_);
   Current current_ ABSL_GUARDED_BY(mu_);
   // Worker id -> rank in current_.info.worker_ids(): a cache, not an index to
   // keep up to date. A hit counts only when worker_ids still holds the id at

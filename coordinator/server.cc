@@ -39,6 +39,16 @@ constexpr int kMaxMessageBytes = 2 * static_cast<int>(kMaxKvValueBytes);
 constexpr int kSweepsPerTimeout = 4;
 constexpr absl::Duration kMinSweepPeriod = absl::Milliseconds(20);
 
+// The sweep also forms an ending generation once its reform window passed: as
+// fine-grained as the shorter of the two.
+absl::Duration SweepPeriod(const JobConfig& job) {
+  absl::Duration period = job.heartbeat_timeout / kSweepsPerTimeout;
+  if (job.reform_window > absl::ZeroDuration()) {
+    period = std::min(period, job.reform_window / kSweepsPerTimeout);
+  }
+  return std::max(kMinSweepPeriod, period);
+}
+
 }  // namespace
 
 std::string WithPort(const std::string& listen, int port) {
@@ -83,6 +93,9 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   membership_options.min_replicas = job.min_replicas;
   membership_options.join_wait = job.join_wait;
   membership_options.reform_window = job.reform_window;
+  // The sweeper runs at least four times per heartbeat timeout: a gap of half
+  // of one means the process did not run.
+  membership_options.pause_threshold = job.heartbeat_timeout / 2;
   HSDP_ASSIGN_OR_RETURN(s->membership_,
                         Membership::Create(membership_options, store));
   ScheduleLog::Options log_options;
@@ -202,14 +215,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   health->SetServingStatus(kCoordinatorServiceName, true);
   health->SetServingStatus(kControlServiceName, true);
 
-  // The sweep also forms an ending generation once its reform window passed:
-  // as fine-grained as the shorter of the two.
-  absl::Duration sweep_period = job.heartbeat_timeout / kSweepsPerTimeout;
-  if (job.reform_window > absl::ZeroDuration()) {
-    sweep_period =
-        std::min(sweep_period, job.reform_window / kSweepsPerTimeout);
-  }
-  sweep_period = std::max(kMinSweepPeriod, sweep_period);
+  const absl::Duration sweep_period = SweepPeriod(job);
   s->sweeper_ = std::thread(
       [server = s.get(), sweep_period] { server->SweepLoop(sweep_period); });
   return s;

@@ -489,6 +489,41 @@ TEST_F(ElasticTest, EveryWorkerLostWithACheckpointWaitsThenRestores) {
   EXPECT_NE(m->job_state(), hsdp::v1::JOB_STATE_FAILED);
 }
 
+// The coordinator did not run for longer than the heartbeat timeout (SIGSTOP,
+// a paused VM): nobody could have been heard meanwhile, so nobody is lost for
+// it; a worker silent for a whole timeout after it is.
+TEST_F(ElasticTest, APausedCoordinatorDoesNotHoldThePauseAgainstWorkers) {
+  Settings settings;
+  settings.pause_threshold = kHeartbeatTimeout / 2;
+  auto m = Make({2, 2}, nullptr, settings);
+  const std::vector<int64_t> ids = JoinAll(*m);
+  Commit(*m, 0);
+  Beat(*m, ids);
+  clock_.Advance(kHeartbeatTimeout * 3);  // the pause
+  EXPECT_TRUE(m->Tick().empty());
+  EXPECT_EQ(m->current_generation().generation(), 0);
+  // After it, the usual rule: three beat, one does not.
+  for (int i = 0; i < 4; ++i) {
+    clock_.Advance(kHeartbeatTimeout / 4);
+    Beat(*m, {ids[0], ids[1], ids[2]});
+    m->Tick();
+  }
+  clock_.Advance(kHeartbeatTimeout / 4);
+  Beat(*m, {ids[0], ids[1], ids[2]});
+  EXPECT_EQ(m->Tick(), std::vector<int64_t>{ids[3]});
+}
+
+// Without pause detection (the fake-clock tests' default), the same gap loses
+// every worker: what the detection prevents.
+TEST_F(ElasticTest, WithoutPauseDetectionTheGapLosesEveryWorker) {
+  auto m = Make({2, 2});
+  const std::vector<int64_t> ids = JoinAll(*m);
+  Commit(*m, 0);
+  Beat(*m, ids);
+  clock_.Advance(kHeartbeatTimeout * 3);
+  EXPECT_EQ(m->Tick().size(), ids.size());
+}
+
 // R = 1: losing a worker loses its shard.
 TEST_F(ElasticTest, OneReplicaLosingAWorkerStopsTheJob) {
   auto m = Make({1, 2});

@@ -56,6 +56,7 @@ struct ElasticSettings {
   int min_replicas = 1;
   absl::Duration reform_window = kReformWindow;
   absl::Duration join_wait = kJoinWait;
+  absl::Duration pause_threshold = absl::ZeroDuration();
 };
 
 class MembershipFixture : public ::testing::Test {
@@ -72,6 +73,7 @@ class MembershipFixture : public ::testing::Test {
     options.min_replicas = settings.min_replicas;
     options.reform_window = settings.reform_window;
     options.join_wait = settings.join_wait;
+    options.pause_threshold = settings.pause_threshold;
     options.clock = &clock_;
     auto m = Membership::Create(options, store);
     EXPECT_TRUE(m.ok()) << m.status();
