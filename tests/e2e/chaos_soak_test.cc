@@ -15,7 +15,8 @@
 // read its state directory. The counts are printed at the end.
 //
 //   build/tests/e2e/chaos_soak_test   (root; env HSDP_CHAOS_STEPS,
-//   HSDP_CHAOS_SEED, HSDP_CHAOS_FAULTS=kill-worker,stop-coordinator,...)
+//   HSDP_CHAOS_SEED, HSDP_CHAOS_FAULTS=kill-worker,stop-coordinator,...,
+//   HSDP_CHAOS_KEEP=1 keeps the scratch directory with every log)
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -202,7 +203,7 @@ class ChaosSoak {
         ++recovered_;
         max_recovery_s_ = std::max(max_recovery_s_, took);
         lines_at_fault_end = -1;
-        next_fault = Clock::now() + milliseconds(Uniform(2000, 6000));
+        next_fault = Clock::now() + milliseconds(Uniform(1000, 4000));
       }
       if (Clock::now() - last_progress_ > kRecoveryBound) {
         std::cout << "chaos: HANG: no committed step for "
@@ -361,7 +362,13 @@ class ChaosSoak {
       return true;
     };
     if (reap(coordinator_)) {
-      const std::string log = ReadFile(coordinator_.proc.log);
+      // This incarnation's output only: the log is shared by all of them.
+      const std::string log =
+          ReadFile(coordinator_.proc.log).substr(coordinator_log_offset_);
+      if (coordinator_.last_rc != 128 + SIGKILL) {
+        std::cout << "chaos:   coordinator exited " << coordinator_.last_rc
+                  << ": " << LastLine(log) << std::endl;
+      }
       if (log.find("corrupt") != std::string::npos ||
           log.find("DATA_LOSS") != std::string::npos) {
         ++unreadable_state_;
@@ -373,6 +380,8 @@ class ChaosSoak {
     }
     for (Pod& w : workers_) {
       if (reap(w)) {
+        std::cout << "chaos:   " << w.name << " exited " << w.last_rc << ": "
+                  << LastLine(ReadFile(w.proc.log)) << std::endl;
         if (w.last_rc == 0) {
           w.done = true;
           continue;
@@ -546,6 +555,7 @@ class ChaosSoak {
   std::string impairments_;
   std::string failure_;
   bool failed_ = false;
+  size_t coordinator_log_offset_ = 0;
   Clock::time_point next_status_check_;
   int64_t lines_ = 0;
   Clock::time_point last_progress_;
@@ -565,7 +575,8 @@ TEST(ChaosSoakTest, FaultsEndInTheReferenceParametersOrAClearError) {
       SizedTmpfs::Mount(state_root, kStateDiskBytes);
   if (!disk.ok()) GTEST_SKIP() << disk.status().message();
 
-  const int steps = EnvInt("HSDP_CHAOS_STEPS", 400);
+  const int steps = EnvInt("HSDP_CHAOS_STEPS", 800);
+  if (std::getenv("HSDP_CHAOS_KEEP") != nullptr) c.Keep();
   const unsigned seed = EnvInt("HSDP_CHAOS_SEED", 1);
   const std::vector<Fault> faults = FaultsFromEnv();
   ASSERT_FALSE(faults.empty()) << "HSDP_CHAOS_FAULTS names no fault";

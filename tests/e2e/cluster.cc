@@ -188,7 +188,7 @@ Cluster::~Cluster() {
   if (coordinator_.pid > 0) kill(coordinator_.pid, SIGKILL);
   for (const Proc& p : workers_) waitpid(p.pid, nullptr, 0);
   if (coordinator_.pid > 0) waitpid(coordinator_.pid, nullptr, 0);
-  if (!::testing::Test::HasFailure()) {
+  if (!keep_ && !::testing::Test::HasFailure()) {
     std::error_code ec;
     fs::remove_all(dir_, ec);
   }

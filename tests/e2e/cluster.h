@@ -120,6 +120,9 @@ class Cluster {
   // Runs hsdpctl against this cluster; returns its exit code.
   int Ctl(const std::vector<std::string>& args, std::string* output = nullptr);
 
+  // Keeps the scratch directory even when the test passes.
+  void Keep() { keep_ = true; }
+
   std::string address() const;
   int port() const { return port_; }
   std::string report(int r) const;
@@ -129,6 +132,7 @@ class Cluster {
 
  private:
   std::string dir_;
+  bool keep_ = false;
   Proc coordinator_;
   int port_ = 0;
   std::vector<Proc> workers_;

@@ -308,6 +308,11 @@ void Agent::HeartbeatLoop() {
     // so the thread never blocks the destructor for a whole retry budget.
     grpc::ClientContext ctx;
     internal::SetDeadline(ctx, std::min(options_.rpc_timeout, interval * 2));
+    // Wait for the connection (within the deadline) rather than fail at once
+    // while the channel is reconnecting: a queued call is what makes an idle
+    // channel connect again, so the first heartbeat after a coordinator
+    // restart goes out as soon as it listens.
+    ctx.set_wait_for_ready(true);
     hsdp::v1::HeartbeatResponse resp;
     const int64_t send_nanos = absl::GetCurrentTimeNanos();
     absl::Status s = FromGrpc(stub_->Heartbeat(&ctx, req, &resp), "Heartbeat");
