@@ -8,6 +8,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
 #include <sstream>
 
 #include "absl/strings/ascii.h"
@@ -258,6 +259,20 @@ absl::Status StateStore::Load() {
   return absl::OkStatus();
 }
 
+absl::Status StateStore::NoteWrite(absl::Status status) {
+  if (status.ok() == !failing_) return status;
+  failing_ = !status.ok();
+  if (failing_) {
+    std::cerr << "hsdp-coordinator: cannot write the state directory ("
+              << status.message()
+              << "); commits, joins and new generations wait until it can\n";
+  } else {
+    std::cerr << "hsdp-coordinator: the state directory " << dir_
+              << " is writable again\n";
+  }
+  return status;
+}
+
 PersistedState StateStore::state() const {
   absl::MutexLock lock(&mu_);
   return state_;
@@ -272,8 +287,8 @@ absl::Status StateStore::Update(
   // Many updates (a worker re-joining its own slot) change nothing: skip the
   // write and its fsyncs.
   if (bytes == SerializeDeterministic(state_)) return absl::OkStatus();
-  absl::Status status = WriteFileAtomically(
-      (fs::path(dir_) / kStateFile).string(), bytes, options_.sync);
+  absl::Status status = NoteWrite(WriteFileAtomically(
+      (fs::path(dir_) / kStateFile).string(), bytes, options_.sync));
   if (status.ok()) state_ = std::move(next);
   return status;
 }
@@ -289,9 +304,9 @@ absl::Status StateStore::SaveSealedStep(int64_t step, int64_t generation,
         absl::StrCat("step ", step, " is already sealed in generation ",
                      generation, " with different contents"));
   }
-  absl::Status status = WriteFileAtomically(
+  absl::Status status = NoteWrite(WriteFileAtomically(
       (fs::path(dir_) / kStepsDir / StepFileName(step, generation)).string(),
-      bytes, options_.sync);
+      bytes, options_.sync));
   if (status.ok()) sealed_.emplace(key, bytes);
   return status;
 }
@@ -303,9 +318,9 @@ std::map<StateStore::SealedKey, std::string> StateStore::SealedSteps() const {
 
 absl::Status StateStore::SaveCommitPoint(const state::CommitPoint& point) {
   absl::MutexLock lock(&mu_);
-  absl::Status status =
+  absl::Status status = NoteWrite(
       WriteFileAtomically((fs::path(dir_) / kCommitFile).string(),
-                          SerializeDeterministic(point), options_.sync);
+                          SerializeDeterministic(point), options_.sync));
   if (status.ok()) commit_point_ = point;
   return status;
 }

@@ -92,6 +92,10 @@ class StateStore {
   const std::string& dir() const { return dir_; }
 
  private:
+  // Logs the first failed write (a full disk) and the first success after it
+  // to stderr; returns `status`.
+  absl::Status NoteWrite(absl::Status status)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   StateStore(std::string dir, Options options, int lock_fd);
   absl::Status Load();
 
@@ -103,6 +107,8 @@ class StateStore {
   PersistedState state_ ABSL_GUARDED_BY(mu_);
   std::map<SealedKey, std::string> sealed_ ABSL_GUARDED_BY(mu_);
   std::optional<state::CommitPoint> commit_point_ ABSL_GUARDED_BY(mu_);
+  // A write failed and none succeeded since (logged once per episode).
+  bool failing_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 // Writes `contents` to `path` atomically (temp file + fsync + rename + fsync of

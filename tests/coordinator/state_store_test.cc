@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -155,6 +156,39 @@ TEST(StateStoreTest, CommitPointRoundTrips) {
   WriteRaw(fs::path(dir) / "commit.binpb", std::string("\x0a\x05"
                                                        "ab"));  // truncated
   EXPECT_EQ(StateStore::Open(dir).status().code(), absl::StatusCode::kDataLoss);
+}
+
+// A write that fails (here: its temp file's name is taken by a directory, as
+// a full disk would fail it) keeps the previous commit point and says so on
+// stderr once; the first write that succeeds after it says so too.
+TEST(StateStoreTest, AFailedWriteKeepsThePreviousStateAndIsLoggedOnce) {
+  const std::string dir = FreshDir("s");
+  auto store = StateStore::Open(dir);
+  ASSERT_TRUE(store.ok());
+  state::CommitPoint point;
+  point.set_step(1);
+  ASSERT_TRUE((*store)->SaveCommitPoint(point).ok());
+  const fs::path blocker = fs::path(dir) / "commit.binpb.tmp";
+  fs::create_directory(blocker);
+  ::testing::internal::CaptureStderr();
+  point.set_step(2);
+  EXPECT_FALSE((*store)->SaveCommitPoint(point).ok());
+  point.set_step(3);
+  EXPECT_FALSE((*store)->SaveCommitPoint(point).ok());
+  const std::string failing = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ((*store)->commit_point()->step(), 1);
+  EXPECT_EQ(std::count(failing.begin(), failing.end(), '\n'), 1) << failing;
+  EXPECT_NE(failing.find("cannot write the state directory"), std::string::npos)
+      << failing;
+  fs::remove(blocker);
+  ::testing::internal::CaptureStderr();
+  ASSERT_TRUE((*store)->SaveCommitPoint(point).ok());
+  ASSERT_TRUE((*store)->SaveCommitPoint(point).ok());
+  const std::string recovered = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(std::count(recovered.begin(), recovered.end(), '\n'), 1)
+      << recovered;
+  EXPECT_NE(recovered.find("writable again"), std::string::npos) << recovered;
+  EXPECT_EQ((*store)->commit_point()->step(), 3);
 }
 
 TEST(StateStoreTest, SealedStepsAreImmutable) {
