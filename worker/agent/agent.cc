@@ -12,6 +12,7 @@
 #include <sstream>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
@@ -37,6 +38,8 @@ constexpr int kKeepaliveTimeoutMs = 5000;
 // by default, longer than a heartbeat timeout, so a restarted coordinator
 // would see none of its workers in time and declare them all lost.
 constexpr int kMinTimeBetweenResolutionsMs = 500;
+// What the coordinator says of a worker it gave up (no heartbeat in time).
+constexpr char kDeclaredLost[] = "was declared lost";
 
 // Adds `authorization: Bearer <job token>` to the initial metadata of every
 // call on the channel.
@@ -261,6 +264,13 @@ absl::Status Agent::Rejoin(int64_t seen_epoch) {
     req.clear_worker_id();
     s = CallWithRetry("Join (after coordinator restart)", options_.rpc_timeout,
                       join);
+  }
+  if (s.code() == absl::StatusCode::kFailedPrecondition &&
+      absl::StrContains(s.message(), kDeclaredLost)) {
+    // Not a restart that forgot this worker: the coordinator gave it up. The
+    // training thread re-forms, and waiting for a generation tells it to join
+    // again as a new worker (worker/agent/ELASTIC.md).
+    return absl::AbortedError(absl::StrCat(s.message(), ": re-form"));
   }
   if (!s.ok()) return s;
   absl::MutexLock lock(&mu_);

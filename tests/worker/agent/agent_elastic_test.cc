@@ -291,5 +291,35 @@ TEST_F(AgentElasticTest, LostWorkerJoinsAgainAsANewWorker) {
   EXPECT_EQ(again->worker_state(), hsdp::v1::WORKER_STATE_JOINING);
 }
 
+// A member that was declared lost while its training thread was between calls
+// (its heartbeats never arrived): the next schedule call says re-form
+// (ABORTED), not a fatal error, and waiting for a generation then says join
+// again.
+TEST_F(AgentElasticTest, ALostMembersScheduleCallSaysReForm) {
+  StartServer({2, 1});
+  auto a = MakeAgent(0);
+  auto b = MakeAgent(1);
+  ASSERT_TRUE(a->Join().ok());
+  ASSERT_TRUE(b->Join().ok());
+  a->StartHeartbeat();  // b never beats
+  absl::StatusOr<hsdp::v1::AwaitGenerationResponse> na;
+  for (;;) {
+    na = a->AwaitGeneration(0, kLong);
+    if (!na.ok() || na->outcome() != hsdp::v1::AWAIT_OUTCOME_ENDED) break;
+  }
+  ASSERT_TRUE(na.ok()) << na.status();
+  absl::StatusOr<hsdp::v1::GetScheduleResponse> schedule =
+      b->GetSchedule(0, 10);
+  EXPECT_EQ(schedule.status().code(), absl::StatusCode::kAborted)
+      << schedule.status();
+  EXPECT_NE(schedule.status().message().find("declared lost"),
+            std::string::npos)
+      << schedule.status();
+  absl::StatusOr<hsdp::v1::AwaitGenerationResponse> nb =
+      b->AwaitGeneration(0, kLong);
+  EXPECT_EQ(nb.status().code(), absl::StatusCode::kFailedPrecondition)
+      << nb.status();
+}
+
 }  // namespace
 }  // namespace hsdp::agent
