@@ -21,6 +21,7 @@
 #include <signal.h>
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -471,7 +472,13 @@ class ChaosSoak {
   }
 
   void Inject() {
-    const Fault f = faults_[Uniform(0, static_cast<int>(faults_.size()) - 1)];
+    // Every kind once, in a random order, then again: each run sees all.
+    if (bag_.empty()) {
+      bag_ = faults_;
+      std::shuffle(bag_.begin(), bag_.end(), rng_);
+    }
+    const Fault f = bag_.back();
+    bag_.pop_back();
     ++injected_[f];
     const int ms = Uniform(1000, 8000);
     switch (f) {
@@ -539,6 +546,7 @@ class ChaosSoak {
   }
 
   const std::vector<Fault> faults_;
+  std::vector<Fault> bag_;
   Cluster& c_;
   PodNetwork& net_;
   SizedTmpfs& disk_;
