@@ -41,6 +41,9 @@ endif()
 # TSan: Abseil's Mutex/CondVar made visible to TSan (tests/tsan/absl_mutex_tsan.cc), linked as an
 # object into every executable so its definitions win over the shared library's.
 if(HSDP_SANITIZE MATCHES "thread")
+  # Protobuf's map fields with the layout Debian's (uninstrumented) libprotobuf has: see the header.
+  add_compile_options(
+    "$<$<COMPILE_LANGUAGE:CXX>:SHELL:-include ${PROJECT_SOURCE_DIR}/tests/tsan/protobuf_map_field_abi.h>")
   add_library(hsdp_tsan_absl OBJECT "${PROJECT_SOURCE_DIR}/tests/tsan/absl_mutex_tsan.cc")
   target_link_libraries(hsdp_tsan_absl PRIVATE absl::synchronization)
   function(_hsdp_link_tsan_absl_in dir)
