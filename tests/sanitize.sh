@@ -99,12 +99,25 @@ run_tsan() {
   # it (newer kernels randomise mmap bases more than GCC 12's TSan runtime allows).
   local norandom=()
   if command -v setarch >/dev/null; then norandom=(setarch "$(uname -m)" -R); fi
+  # Every report goes to a file (log_path): those of the processes the tests spawn (the real
+  # hsdp-coordinator and hsdpctl, the rank and peer processes) too, whose stderr a test may not
+  # show. Any report fails the run, even one in a child whose test passed.
+  local reports="$root/build-tsan/tsan-reports"
+  rm -rf "$reports"
+  mkdir -p "$reports"
+  local rc=0
   # shellcheck disable=SC2086
   timed "tsan tests" env \
-    TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$root/tests/tsan/suppressions.txt" \
+    TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:ignore_noninstrumented_modules=1:log_path=$reports/report:suppressions=$root/tests/tsan/suppressions.txt" \
     "${norandom[@]}" \
     ctest --test-dir build-tsan --output-on-failure -j "$jobs" \
-    -L 'coordinator|comm|fsdp|worker' -LE 'slow|e2e' ${HSDP_SANITIZE_CTEST_ARGS:-}
+    -L 'coordinator|comm|fsdp|worker|tsan' -LE 'slow' ${HSDP_SANITIZE_CTEST_ARGS:-} || rc=$?
+  if compgen -G "$reports/report.*" >/dev/null; then
+    cat "$reports"/report.*
+    echo "sanitize: TSan reports above (files in $reports)"
+    rc=1
+  fi
+  return "$rc"
 }
 
 run_thread_safety() {
