@@ -12,10 +12,18 @@
 #                  the same over the torch-free half only (-DHSDP_BUILD_WORKER=OFF: coordinator,
 #                  common, hsdpctl, fuzz replays) in build-asan-coordinator; .ci/run runs it after
 #                  ./deploy/test.sh.
-#   tsan           GCC, TSan, the whole tree in build-tsan, then the coordinator, agent,
-#                  communicator and engine tests (labels coordinator|comm|fsdp|worker, no slow or
-#                  e2e). Abseil's Mutex is annotated for TSan by tests/tsan/absl_mutex_tsan.cc;
-#                  what is suppressed, and why, is in tests/tsan/suppressions.txt.
+#   tsan           GCC, TSan, the whole tree but the benchmarks in build-tsan, then the
+#                  coordinator (with its e2e tests of the real hsdp-coordinator and hsdpctl),
+#                  agent, communicator, engine (multi-rank), checkpoint and model tests: labels
+#                  coordinator|comm|fsdp|worker|tsan, not slow (479 tests, about 3.5 minutes at
+#                  -j2; cold build about 16 minutes on 2 shared cores). Abseil's Mutex is
+#                  annotated for TSan by tests/tsan/absl_mutex_tsan.cc (tested by
+#                  absl_mutex_tsan_test); protobuf's map fields keep the uninstrumented library's
+#                  layout (tests/tsan/protobuf_map_field_abi.h); interceptor calls made by the
+#                  uninstrumented libraries themselves are not checked
+#                  (ignore_noninstrumented_modules=1); the rest of what is suppressed, and why,
+#                  is in tests/tsan/suppressions.txt. Reports of every process, spawned ones
+#                  included, go to build-tsan/tsan-reports/; any report fails the run.
 #   thread-safety  clang, -Wthread-safety as errors over every target (build-thread-safety):
 #                  checks the ABSL_GUARDED_BY / ABSL_*_LOCKS_REQUIRED annotations, and clang's
 #                  -Wall -Wextra as errors. Compile only; every finding is listed (ninja -k 0).
