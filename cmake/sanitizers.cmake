@@ -7,7 +7,8 @@
 #
 # Dependencies (LibTorch, gRPC, Abseil, Gloo) are Debian's, built without sanitizers: ASan and UBSan
 # check our code and what it passes to them; TSan needs the annotations tests/tsan/ adds to Abseil's
-# Mutex and the suppressions in tests/tsan/suppressions.txt (see tests/sanitize.sh).
+# Mutex, protobuf's map fields with the library's layout (tests/tsan/protobuf_map_field_abi.h) and
+# the suppressions in tests/tsan/suppressions.txt (see tests/sanitize.sh).
 
 set(HSDP_SANITIZE "" CACHE STRING "Sanitizers for every target (-fsanitize=LIST), e.g. address,undefined or thread")
 option(HSDP_BUILD_FUZZ "Build the libFuzzer targets in tests/fuzz (clang)" OFF)
