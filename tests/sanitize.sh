@@ -5,9 +5,8 @@
 #
 #   asan           GCC, ASan + UBSan (-fsanitize=address,undefined; any UBSan finding aborts),
 #                  the whole tree but the benchmarks in build-asan, then the fast test set
-#                  (ctest -LE slow). Not in .ci/run: the whole-tree time on a 2-core machine is
-#                  still unmeasured (the worker's comm, agent and checkpoint-format tests alone:
-#                  see README.md, "Sanitizers").
+#                  (ctest -LE slow: 494 tests). On 2 shared cores: build about 22 minutes
+#                  from (nearly) cold, tests about 4.5 minutes at -j2 (README.md, "Sanitizers").
 #   asan-coordinator
 #                  the same over the torch-free half only (-DHSDP_BUILD_WORKER=OFF: coordinator,
 #                  common, hsdpctl, fuzz replays) in build-asan-coordinator; .ci/run runs it after
