@@ -7,7 +7,8 @@
 #
 # Dependencies (LibTorch, gRPC, Abseil, Gloo) are Debian's, built without sanitizers: ASan and UBSan
 # check our code and what it passes to them; TSan needs the annotations tests/tsan/ adds to Abseil's
-# Mutex and the suppressions in tests/tsan/suppressions.txt (see tests/sanitize.sh).
+# Mutex, protobuf's map fields with the library's layout (tests/tsan/protobuf_map_field_abi.h) and
+# the suppressions in tests/tsan/suppressions.txt (see tests/sanitize.sh).
 
 set(HSDP_SANITIZE "" CACHE STRING "Sanitizers for every target (-fsanitize=LIST), e.g. address,undefined or thread")
 option(HSDP_BUILD_FUZZ "Build the libFuzzer targets in tests/fuzz (clang)" OFF)
@@ -41,6 +42,9 @@ endif()
 # TSan: Abseil's Mutex/CondVar made visible to TSan (tests/tsan/absl_mutex_tsan.cc), linked as an
 # object into every executable so its definitions win over the shared library's.
 if(HSDP_SANITIZE MATCHES "thread")
+  # Protobuf's map fields with the layout Debian's (uninstrumented) libprotobuf has: see the header.
+  add_compile_options(
+    "$<$<COMPILE_LANGUAGE:CXX>:SHELL:-include ${PROJECT_SOURCE_DIR}/tests/tsan/protobuf_map_field_abi.h>")
   add_library(hsdp_tsan_absl OBJECT "${PROJECT_SOURCE_DIR}/tests/tsan/absl_mutex_tsan.cc")
   target_link_libraries(hsdp_tsan_absl PRIVATE absl::synchronization)
   function(_hsdp_link_tsan_absl_in dir)

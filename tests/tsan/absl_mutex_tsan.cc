@@ -50,10 +50,30 @@ Fn RealFn(const char* mangled) {
 
 constexpr unsigned kRead = __tsan_mutex_read_lock;
 
+// Abseil's entry points call one another through the PLT, and so reach these
+// wrappers again: CondVar::WaitWithTimeout calls CondVar::WaitWithDeadline,
+// for one. Only a thread's outermost call is annotated; a nested one would
+// annotate an unlock of a mutex the outer call has already marked released.
+thread_local int t_depth = 0;
+
+class Outermost {
+ public:
+  Outermost() : outermost_(t_depth++ == 0) {}
+  ~Outermost() { --t_depth; }
+  Outermost(const Outermost&) = delete;
+  Outermost& operator=(const Outermost&) = delete;
+  explicit operator bool() const { return outermost_; }
+
+ private:
+  const bool outermost_;
+};
+
 // The caller holds `mu` before and after; the real call releases and
 // reacquires it while waiting.
 template <typename Call>
 auto Wait(absl::Mutex* mu, unsigned flags, Call call) {
+  const Outermost outer;
+  if (!outer) return call();
   __tsan_mutex_pre_unlock(mu, flags);
   __tsan_mutex_post_unlock(mu, flags);
   __tsan_mutex_pre_lock(mu, flags);
@@ -65,10 +85,32 @@ auto Wait(absl::Mutex* mu, unsigned flags, Call call) {
 // A lock that may block on a condition first: the mutex is held on return.
 template <typename Call>
 auto LockThen(absl::Mutex* mu, unsigned flags, Call call) {
+  const Outermost outer;
+  if (!outer) return call();
   __tsan_mutex_pre_lock(mu, flags);
   auto result = call();
   __tsan_mutex_post_lock(mu, flags, 0);
   return result;
+}
+
+template <typename Call>
+void AnnotatedUnlock(absl::Mutex* mu, unsigned flags, Call call) {
+  const Outermost outer;
+  if (outer) __tsan_mutex_pre_unlock(mu, flags);
+  call();
+  if (outer) __tsan_mutex_post_unlock(mu, flags);
+}
+
+// A try-lock: `flags` includes __tsan_mutex_try_lock.
+template <typename Call>
+bool AnnotatedTryLock(absl::Mutex* mu, unsigned flags, Call call) {
+  const Outermost outer;
+  if (!outer) return call();
+  __tsan_mutex_pre_lock(mu, flags);
+  const bool locked = call();
+  __tsan_mutex_post_lock(
+      mu, flags | (locked ? 0 : __tsan_mutex_try_lock_failed), 0);
+  return locked;
 }
 
 struct Done {};
@@ -92,39 +134,27 @@ void Mutex::ReaderLock() {
 void Mutex::Unlock() {
   static auto real =
       RealFn<void (*)(Mutex*)>("_ZN4absl7debian35Mutex6UnlockEv");
-  __tsan_mutex_pre_unlock(this, 0);
-  real(this);
-  __tsan_mutex_post_unlock(this, 0);
+  ::AnnotatedUnlock(this, 0, [&] { real(this); });
 }
 
 void Mutex::ReaderUnlock() {
   static auto real =
       RealFn<void (*)(Mutex*)>("_ZN4absl7debian35Mutex12ReaderUnlockEv");
-  __tsan_mutex_pre_unlock(this, kRead);
-  real(this);
-  __tsan_mutex_post_unlock(this, kRead);
+  ::AnnotatedUnlock(this, kRead, [&] { real(this); });
 }
 
 bool Mutex::TryLock() {
   static auto real =
       RealFn<bool (*)(Mutex*)>("_ZN4absl7debian35Mutex7TryLockEv");
-  __tsan_mutex_pre_lock(this, __tsan_mutex_try_lock);
-  const bool locked = real(this);
-  __tsan_mutex_post_lock(
-      this, __tsan_mutex_try_lock | (locked ? 0 : __tsan_mutex_try_lock_failed),
-      0);
-  return locked;
+  return ::AnnotatedTryLock(this, __tsan_mutex_try_lock,
+                            [&] { return real(this); });
 }
 
 bool Mutex::ReaderTryLock() {
   static auto real =
       RealFn<bool (*)(Mutex*)>("_ZN4absl7debian35Mutex13ReaderTryLockEv");
-  const unsigned flags = kRead | __tsan_mutex_try_lock;
-  __tsan_mutex_pre_lock(this, flags);
-  const bool locked = real(this);
-  __tsan_mutex_post_lock(
-      this, flags | (locked ? 0 : __tsan_mutex_try_lock_failed), 0);
-  return locked;
+  return ::AnnotatedTryLock(this, kRead | __tsan_mutex_try_lock,
+                            [&] { return real(this); });
 }
 
 void Mutex::LockWhen(const Condition& cond) {
