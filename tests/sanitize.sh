@@ -6,11 +6,11 @@
 #   asan           GCC, ASan + UBSan (-fsanitize=address,undefined; any UBSan finding aborts),
 #                  the whole tree but the benchmarks in build-asan, then the fast test set
 #                  (ctest -LE slow: 494 tests). On 2 shared cores: build about 22 minutes
-#                  from (nearly) cold, tests about 4.5 minutes at -j2 (README.md, "Sanitizers").
+#                  from (nearly) cold, tests about 4.5 minutes at -j2 (README.md, "Sanitizers");
+#                  .ci/run runs it after ./deploy/test.sh.
 #   asan-coordinator
 #                  the same over the torch-free half only (-DHSDP_BUILD_WORKER=OFF: coordinator,
-#                  common, hsdpctl, fuzz replays) in build-asan-coordinator; .ci/run runs it after
-#                  ./deploy/test.sh.
+#                  common, hsdpctl, fuzz replays) in build-asan-coordinator: a quicker check.
 #   tsan           GCC, TSan, the whole tree but the benchmarks in build-tsan, then the
 #                  coordinator (with its e2e tests of the real hsdp-coordinator and hsdpctl),
 #                  agent, communicator, engine (multi-rank), checkpoint and model tests: labels
@@ -94,7 +94,7 @@ asan_build_and_test() {
 run_asan() { asan_build_and_test build-asan -DHSDP_BUILD_BENCH=OFF; }
 
 # The torch-free half (coordinator, common, hsdpctl, the fuzz replays): about 11 minutes on 2
-# cores, which .ci/run affords.
+# cores.
 run_asan_coordinator() {
   asan_build_and_test build-asan-coordinator -DHSDP_BUILD_WORKER=OFF -DHSDP_BUILD_BENCH=OFF
 }
