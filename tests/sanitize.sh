@@ -6,7 +6,7 @@
 #   asan           GCC, ASan + UBSan (-fsanitize=address,undefined; any UBSan finding aborts),
 #                  the whole tree but the benchmarks in build-asan, then the fast test set
 #                  (ctest -LE slow: 494 tests). On 2 shared cores: build about 22 minutes with
-#                  some objects in ccache, over 40 from cold; tests about 4.5 minutes at -j2
+#                  some objects in ccache, 39.5 from cold; tests about 4.5 minutes at -j2
 #                  (README.md, "Sanitizers").
 #   asan-coordinator
 #                  the same over the torch-free half only (-DHSDP_BUILD_WORKER=OFF: coordinator,
