@@ -261,12 +261,10 @@ class ChaosSoak {
 
   void PrintCounts() const {
     std::vector<std::string> kinds;
-    int total = 0;
     for (const auto& [kind, n] : injected_) {
       kinds.push_back(absl::StrCat(FaultName(kind), " ", n));
-      total += n;
     }
-    std::cout << "chaos: " << total << " faults injected ("
+    std::cout << "chaos: " << total_faults() << " faults injected ("
               << absl::StrJoin(kinds, ", ") << "); " << recovered_
               << " recovered (slowest " << max_recovery_s_ << " s); "
               << (failed_ ? 1 : 0) << " clear failures; " << hangs_
@@ -615,21 +613,8 @@ TEST(ChaosSoakTest, FaultsEndInTheReferenceParametersOrAClearError) {
 
   const std::string final_params = soak.FinalParams();
   ASSERT_FALSE(final_params.empty());
-  const std::string reference = c.dir() + "/reference.pt";
-  const std::string log = c.dir() + "/reference.log";
-  ASSERT_EQ(RunReference(kWorld, 1, steps, c.dir() + "/reference.jsonl",
-                         reference, log, soak.Flags()),
-            0)
-      << ReadFile(log);
-  const auto got = LoadParams(final_params);
-  const auto want = LoadParams(reference);
-  ASSERT_EQ(got.size(), want.size());
-  double max_diff = 0;
-  for (const auto& [name, t] : want) {
-    ASSERT_TRUE(got.count(name)) << name;
-    max_diff =
-        std::max(max_diff, (got.at(name) - t).abs().max().item<double>());
-  }
+  const double max_diff =
+      MaxDiffFromReference(final_params, kWorld, steps, c.dir(), soak.Flags());
   std::cout << "chaos: " << steps << " steps; final parameters: max |diff| "
             << "vs reference " << max_diff << "\n";
   EXPECT_LE(max_diff, kParamTolerance);

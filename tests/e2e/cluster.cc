@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <sstream>
 #include <thread>
 
@@ -138,26 +139,58 @@ std::map<std::string, at::Tensor> LoadParams(const std::string& path) {
   return out;
 }
 
+std::vector<std::string> ModelFlags(int64_t steps) {
+  return {"--model",
+          "gpt-tiny",
+          "--dims",
+          kDims,
+          "--steps",
+          std::to_string(steps),
+          "--microbatch-size",
+          "2"};
+}
+
+double MaxDiffFromReference(const std::string& params, int world, int64_t steps,
+                            const std::string& dir,
+                            const std::vector<std::string>& extra) {
+  constexpr double kFailed = std::numeric_limits<double>::infinity();
+  const std::string reference = dir + "/reference.pt";
+  const std::string log = dir + "/reference.log";
+  if (RunReference(world, 1, steps, dir + "/reference.jsonl", reference, log,
+                   extra) != 0) {
+    ADD_FAILURE() << "the reference run failed: " << ReadFile(log);
+    return kFailed;
+  }
+  const auto got = LoadParams(params);
+  const auto want = LoadParams(reference);
+  if (got.size() != want.size()) {
+    ADD_FAILURE() << params << " has " << got.size() << " tensors, the "
+                  << "reference " << want.size();
+    return kFailed;
+  }
+  double max_diff = 0;
+  for (const auto& [name, t] : want) {
+    if (got.count(name) == 0) {
+      ADD_FAILURE() << params << " has no " << name;
+      return kFailed;
+    }
+    max_diff =
+        std::max(max_diff, (got.at(name) - t).abs().max().item<double>());
+  }
+  return max_diff;
+}
+
 int RunReference(int world, int microbatches, int64_t steps,
                  const std::string& report, const std::string& params,
                  const std::string& log,
                  const std::vector<std::string>& extra) {
-  std::vector<std::string> argv = {Bin("hsdp-worker"),
-                                   "--reference",
-                                   "--world-size",
-                                   std::to_string(world),
-                                   "--microbatches",
-                                   std::to_string(microbatches),
-                                   "--model",
-                                   "gpt-tiny",
-                                   "--dims",
-                                   kDims,
-                                   "--steps",
-                                   std::to_string(steps),
-                                   "--microbatch-size",
-                                   "2",
-                                   "--report-file",
-                                   report};
+  std::vector<std::string> argv = {
+      Bin("hsdp-worker"), "--reference",
+      "--world-size",     std::to_string(world),
+      "--microbatches",   std::to_string(microbatches),
+      "--report-file",    report};
+  const std::vector<std::string> model = ModelFlags(steps);
+  argv.insert(argv.end(), model.begin(), model.end());
   if (!params.empty()) argv.insert(argv.end(), {"--final-params", params});
   argv.insert(argv.end(), extra.begin(), extra.end());
   return Wait(Spawn(argv, log));
@@ -243,29 +276,23 @@ std::vector<std::string> WorkerArgv(const std::string& coordinator, int rank,
                                     const std::string& report,
                                     const std::vector<std::string>& extra,
                                     int64_t steps) {
-  const std::vector<std::string> args = {Bin("hsdp-worker"),
-                                         "--coordinator",
-                                         coordinator,
-                                         "--job-id",
-                                         "e2e",
-                                         "--rank-hint",
-                                         std::to_string(rank),
-                                         "--model",
-                                         "gpt-tiny",
-                                         "--dims",
-                                         kDims,
-                                         "--steps",
-                                         std::to_string(steps),
-                                         "--microbatch-size",
-                                         "2",
-                                         "--gloo-hostname",
-                                         "127.0.0.1",
-                                         "--report-file",
-                                         report,
-                                         "--collective-timeout",
-                                         "60",
-                                         "--coordinator-timeout",
-                                         "60"};
+  std::vector<std::string> args = {Bin("hsdp-worker"),
+                                   "--coordinator",
+                                   coordinator,
+                                   "--job-id",
+                                   "e2e",
+                                   "--rank-hint",
+                                   std::to_string(rank),
+                                   "--gloo-hostname",
+                                   "127.0.0.1",
+                                   "--report-file",
+                                   report,
+                                   "--collective-timeout",
+                                   "60",
+                                   "--coordinator-timeout",
+                                   "60"};
+  const std::vector<std::string> model = ModelFlags(steps);
+  args.insert(args.end(), model.begin(), model.end());
   // An extra --model drops the GPT's --dims too.
   const bool own_model =
       std::find(extra.begin(), extra.end(), "--model") != extra.end();

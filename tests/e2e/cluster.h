@@ -74,6 +74,18 @@ int RunReference(int world, int microbatches, int64_t steps,
                  const std::string& log,
                  const std::vector<std::string>& extra = {});
 
+// The model flags of every gpt-tiny run here: kDims, microbatch size 2.
+std::vector<std::string> ModelFlags(int64_t steps);
+
+// Runs the single-process reference of `world` ranks x 1 microbatch for
+// `steps` steps (its files under `dir`, `extra` flags appended) and returns the
+// largest absolute difference of any parameter in `params` (--final-params)
+// from its final parameters; a failed reference run or another set of tensors
+// is a test failure, returned as infinity.
+double MaxDiffFromReference(const std::string& params, int world, int64_t steps,
+                            const std::string& dir,
+                            const std::vector<std::string>& extra);
+
 // Runs argv to completion; expects a non-zero exit and exactly one line on
 // stderr/stdout that contains `needle`.
 void ExpectOneLineError(const std::vector<std::string>& argv,

@@ -169,21 +169,8 @@ TEST(ElasticSoakTest, RandomKillsAndRejoinsKeepTheLedgerAndTheParameters) {
   for (const Live& w : live)
     if (std::filesystem::exists(w.params)) final_params = w.params;
   ASSERT_FALSE(final_params.empty());
-  const std::string reference = c.dir() + "/reference.pt";
-  const std::string log = c.dir() + "/reference.log";
-  ASSERT_EQ(RunReference(kWorld, 1, steps, c.dir() + "/reference.jsonl",
-                         reference, log, flags),
-            0)
-      << ReadFile(log);
-  const auto got = LoadParams(final_params);
-  const auto want = LoadParams(reference);
-  ASSERT_EQ(got.size(), want.size());
-  double max_diff = 0;
-  for (const auto& [name, t] : want) {
-    ASSERT_TRUE(got.count(name)) << name;
-    max_diff =
-        std::max(max_diff, (got.at(name) - t).abs().max().item<double>());
-  }
+  const double max_diff =
+      MaxDiffFromReference(final_params, kWorld, steps, c.dir(), flags);
   std::cout << "soak: " << steps << " steps, " << kills << " kills, " << rejoins
             << " rejoins; final parameters: max |diff| vs reference "
             << max_diff << "\n";

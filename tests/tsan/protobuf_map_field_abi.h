@@ -1,4 +1,5 @@
-// Forced into every translation unit of the TSan build (cmake/sanitizers.cmake).
+// Forced into every translation unit of the TSan build
+// (cmake/sanitizers.cmake).
 //
 // Why: protobuf 3.21's map_field.h adds two members (seq1_, seq2_) to
 // MapFieldBase when __SANITIZE_THREAD__ is defined. Debian's libprotobuf is not
