@@ -80,8 +80,9 @@ void ReduceScatterCopyIn(const std::vector<ShardedParam*>& params,
                          const at::Tensor& flat) {
   at::NoGradGuard no_grad;
   const int64_t size = params.empty() ? 1 : params.front()->spec().shard_size;
-  const int64_t chunk = FlatChunkNumel(params);
-  const at::Tensor chunks = flat.view({size, chunk});
+  // Each rank's chunk may be longer than the gradients (a tail the caller
+  // fills).
+  const at::Tensor chunks = flat.view({size, flat.numel() / size});
   int64_t offset = 0;
   for (const ShardedParam* p : params) {
     at::Tensor dst = chunks.narrow(1, offset, p->shard_numel());

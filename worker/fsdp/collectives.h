@@ -38,7 +38,8 @@ void AllGatherCopyOut(const at::Tensor& output,
                       const std::vector<ShardedParam*>& params);
 
 // Fills `flat` (S chunks, the reduce-scatter input, in its dtype) from the
-// unsharded gradients (zeros for padding and for parameters without one).
+// unsharded gradients (zeros for padding and for parameters without one). A
+// chunk may be longer than FlatChunkNumel: its tail is left as it is.
 void ReduceScatterCopyIn(const std::vector<ShardedParam*>& params,
                          const at::Tensor& flat);
 // The rows of `output` (one reduced chunk) that belong to each parameter's

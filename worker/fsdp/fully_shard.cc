@@ -72,6 +72,37 @@ at::Tensor UnitHandle::Forward(const at::Tensor& input, const TensorFn& fn) {
                  })[0];
 }
 
+absl::StatusOr<UnshardHandle> UnitHandle::Unshard(bool async_op) {
+  EngineCore& core = group_->core();
+  if (!core.finalized) {
+    return absl::FailedPreconditionError("Unshard before FullyShardRoot");
+  }
+  if (core.callback_queued) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("Unshard of unit ", group_->name(), " during backward"));
+  }
+  absl::Status s = CatchTorch(core, [&] {
+    group_->Unshard();
+    if (!async_op) group_->WaitForUnshard();
+  });
+  if (!s.ok()) return s;
+  return UnshardHandle(group_);
+}
+
+absl::Status UnitHandle::Reshard() {
+  EngineCore& core = group_->core();
+  if (core.callback_queued) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("Reshard of unit ", group_->name(), " during backward"));
+  }
+  return CatchTorch(core, [&] { group_->Reshard(); });
+}
+
+absl::Status UnshardHandle::Wait() {
+  EngineCore& core = group_->core();
+  return CatchTorch(core, [&] { group_->WaitForUnshard(); });
+}
+
 int UnitHandle::index() const { return group_->index(); }
 const std::string& UnitHandle::name() const { return group_->name(); }
 
@@ -88,6 +119,13 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(
     return absl::InvalidArgumentError("Engine::Create: null root module");
   if (mesh.shard == nullptr)
     return absl::InvalidArgumentError("Engine::Create: null shard comm");
+  const std::optional<double>& divide =
+      options.gradient_reduction.divide_factor;
+  if (divide.has_value() && !(*divide > 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("Engine::Create: gradient_reduction.divide_factor ",
+                     *divide, " is not positive"));
+  }
   auto core = std::make_unique<EngineCore>(std::move(root), mesh, options);
   core->units.emplace_back(nullptr);  // slot 0: root, filled by FullyShardRoot
   return std::unique_ptr<Engine>(new Engine(std::move(core)));
@@ -154,7 +192,8 @@ absl::StatusOr<std::unique_ptr<UnitGroup>> BuildUnit(
   }
   return std::make_unique<UnitGroup>(&core, index, name, std::move(params),
                                      options.reshard_after_forward.value_or(
-                                         core.options.reshard_after_forward));
+                                         core.options.reshard_after_forward),
+                                     options.unshard_in_backward);
 }
 
 bool UnderPrefix(const std::string& name, const std::string& prefix) {
@@ -302,6 +341,9 @@ absl::Status Engine::Apply(const hsdp::v1::StepSchedule& schedule,
     return absl::FailedPreconditionError("Apply during backward");
   }
   absl::Status s = CatchTorch(*core_, [&] {
+    // A forward without backward (evaluation) still owes the collectives of
+    // the units it skipped at its end.
+    core_->CompleteForward();
     if (microbatch == 0) {
       // A new step: the optimizer has changed the shards since any unsharded
       // copy was made.

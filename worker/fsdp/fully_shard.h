@@ -46,6 +46,29 @@
 // equals single-process training on the global batch. Reshard, prefetch and
 // offload choices never change the numbers (bitwise).
 //
+// Every rank, the same collectives, whatever the data (routed experts,
+// conditional branches, a unit used several times):
+//  - A parameter that gets no gradient on this rank joins its unit's
+//    reduction with zeros. It gets the average over all ranks, as any other
+//    parameter; it keeps an undefined grad (the optimizer skips it, as in
+//    single-process training) only when no rank had a gradient for it in any
+//    of the step's microbatches.
+//  - Units are entered for the first time in each forward in the order they
+//    were declared (FullyShard order, root first if the root wraps the
+//    forward); a unit entered after a later one fails the forward with
+//    FAILED_PRECONDITION naming both. A unit this rank skips (a routed expert
+//    unit with no tokens here) runs its forward collectives when the next unit
+//    is entered, or when the root's forward ends, and its backward ones where
+//    its backward would have run: it costs the gather, never a hang.
+//  - A unit entered but not reached by this rank's backward (its output did
+//    not reach the loss) runs its backward collectives, with no gradients,
+//    before the first unit whose forward ended earlier; a unit whose inputs
+//    need no gradient finishes at the end of backward, as always.
+//  - A unit may be entered again in the same forward (weight reuse across
+//    depth): one gather while it stays unsharded, its gradients accumulate
+//    over every call and it is reduced once, after its last call's backward.
+//    The number of calls must be the same on every rank.
+//
 // Thread-safety: an Engine and everything it returns are thread-compatible —
 // drive it from one training thread (autograd may call the hooks on its own
 // worker thread while that thread waits in backward(), which is still
@@ -112,10 +135,27 @@ struct OffloadPolicy {
   bool offload_params = false;
 };
 
+// How each parameter's gradients combine across the ranks of the mesh
+// (FSDP2's set_gradient_divide_factor and set_force_sum_reduction_for_comms;
+// hyper_parallel's set_reduce_op_type). These change the numbers: every rank
+// and the single-process reference must agree on them.
+struct GradientReduction {
+  // kAvg (the default): the average over all ranks, for a loss that is the
+  // mean over each rank's samples; sharded training then equals
+  // single-process training on the global batch. kSum: the sum over ranks,
+  // for a loss summed over samples.
+  comm::ReduceOp op = comm::ReduceOp::kAvg;
+  // When set (> 0): the sum over ranks divided by this instead of by the
+  // number of ranks (op is then ignored), e.g. the tokens of the global batch
+  // when each rank's loss is summed over its tokens.
+  std::optional<double> divide_factor;
+};
+
 struct EngineOptions {
   c10::Device device = c10::kCPU;  // compute device of the unsharded parameters
   MixedPrecisionPolicy mixed_precision;
   OffloadPolicy offload;
+  GradientReduction gradient_reduction;
   // Default for units; a StepSchedule overrides it per unit and step.
   bool reshard_after_forward = true;
 };
@@ -128,6 +168,13 @@ struct UnitOptions {
   // FSDP2); the caller owns them. Pass the same list to FullyShardRoot so the
   // root does not claim them.
   std::vector<at::Tensor> ignored_params;
+  // FSDP2's set_unshard_in_backward. false: backward through this unit never
+  // reads its parameters (an embedding table, whose gradient is a scatter of
+  // the output gradient), so a unit resharded after forward is not gathered
+  // again for backward (one all-gather less per microbatch; recompute still
+  // gathers). Wrong for a module whose backward reads its weights, as a
+  // Linear's does: that backward would read freed storage.
+  bool unshard_in_backward = true;
 };
 
 // Static description of a unit. ToProto gives what the worker reports when it
@@ -211,6 +258,19 @@ using TensorFn = std::function<at::Tensor(const at::Tensor&)>;
 using TensorListFn =
     std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)>;
 
+// An all-gather started by UnitHandle::Unshard(/*async_op=*/true).
+// Thread-compatible; valid while its Engine is.
+class UnshardHandle {
+ public:
+  // Completes the gather and fills the unit's parameters (a no-op once done).
+  absl::Status Wait();
+
+ private:
+  friend class UnitHandle;
+  explicit UnshardHandle(UnitGroup* group) : group_(group) {}
+  UnitGroup* group_;
+};
+
 // A registered unit. Owned by the Engine; references stay valid for the
 // Engine's lifetime. Thread-compatible, like the Engine.
 class UnitHandle {
@@ -221,6 +281,18 @@ class UnitHandle {
   at::Tensor Forward(const at::Tensor& input, const TensorFn& fn);
   std::vector<at::Tensor> Forward(const std::vector<at::Tensor>& inputs,
                                   const TensorListFn& fn);
+
+  // Manual control (FSDP2's FSDPModule.unshard / reshard), for passes that
+  // do not go through Forward, e.g. an evaluation pass over the plain modules
+  // between training steps. Unshard gathers the unit's parameters; with
+  // async_op it only issues the all-gather and the handle's Wait completes
+  // it. Reshard frees them (completing an issued gather first). Both are
+  // collectives on the shard group: every rank calls them for the same units
+  // in the same order, between steps or inside a forward, never during
+  // backward (FAILED_PRECONDITION). The next step's first Apply reshards
+  // every unit anyway (the optimizer changed the shards).
+  absl::StatusOr<UnshardHandle> Unshard(bool async_op = false);
+  absl::Status Reshard();
 
   int index() const;
   const std::string& name() const;

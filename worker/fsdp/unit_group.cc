@@ -193,12 +193,19 @@ void EngineCore::QueueEndOfBackwardOnce() {
 }
 
 void EngineCore::EndOfBackward() {
-  // Reverse forward order is the order the hooks would have fired in.
+  // Reverse forward order is the order the hooks would have fired in. A unit
+  // this backward never reached on this rank runs its pre-backward too, as
+  // on the ranks where it was reached.
   for (auto it = units.rbegin(); it != units.rend(); ++it) {
     UnitGroup& unit = **it;
-    if (unit.forwarded && !unit.post_backward_done) unit.PostBackward();
+    if (!unit.forwarded || unit.post_backward_done) continue;
+    if (!unit.pre_backward_done && unit.backward_calls == 0) unit.PreBackward();
+    unit.FinishBackward();
   }
   FinishPendingReductions();
+  if (is_last_backward) {
+    for (auto& unit : units) unit->ResolveUnusedGrads();
+  }
   // A gather still in flight (prefetched for a unit backward never reached)
   // reads the shards the optimizer is about to update: complete it.
   for (auto& unit : units) {
@@ -207,12 +214,54 @@ void EngineCore::EndOfBackward() {
   ResetPassFlags();
 }
 
+void EngineCore::BeforeFirstEntry(int index) {
+  if (index < max_entered) {
+    Fail(absl::FailedPreconditionError(absl::StrCat(
+        "unit ", units[index]->name(), " was entered after unit ",
+        units[max_entered]->name(),
+        ": a forward enters units in the order they were declared "
+        "(FullyShard order; a unit may be skipped, or entered again)")));
+  }
+  while (max_entered + 1 < index) units[max_entered + 1]->SkipForward();
+  max_entered = index;
+}
+
+void EngineCore::CompleteForward() {
+  if (forward_completed || max_entered < 0) return;
+  forward_completed = true;
+  while (max_entered + 1 < static_cast<int>(units.size()))
+    units[max_entered + 1]->SkipForward();
+}
+
+void EngineCore::FinishUnreachedAfter(int exit) {
+  std::vector<UnitGroup*> unreached;
+  for (auto& unit : units) {
+    if (unit->forwarded && unit->last_exit > exit && !unit->pre_backward_done &&
+        !unit->post_backward_done && unit->backward_calls == 0)
+      unreached.push_back(unit.get());
+  }
+  std::sort(unreached.begin(), unreached.end(),
+            [](const UnitGroup* a, const UnitGroup* b) {
+              return a->last_exit > b->last_exit;
+            });
+  for (UnitGroup* unit : unreached) {
+    unit->PreBackward();
+    unit->FinishBackward();
+  }
+}
+
 void EngineCore::ResetPassFlags() {
   callback_queued = false;
+  max_entered = -1;
+  exits = 0;
+  forward_completed = false;
   for (auto& unit : units) {
     unit->forwarded = false;
     unit->pre_backward_done = false;
     unit->post_backward_done = false;
+    unit->forward_calls = 0;
+    unit->backward_calls = 0;
+    unit->last_exit = -1;
   }
 }
 
@@ -222,6 +271,9 @@ void EngineCore::DiscardStep() {
   }
   pending_reductions.clear();
   callback_queued = false;
+  max_entered = -1;
+  exits = 0;
+  forward_completed = false;
   recompute_depth = 0;
   checkpoint_fns.clear();
   forward_start_meter.reset();
@@ -231,11 +283,12 @@ void EngineCore::DiscardStep() {
 
 UnitGroup::UnitGroup(EngineCore* core, int index, std::string name,
                      std::vector<std::unique_ptr<ShardedParam>> params,
-                     bool reshard_after_forward)
+                     bool reshard_after_forward, bool unshard_in_backward)
     : reshard_after_forward(reshard_after_forward),
       core_(core),
       index_(index),
       name_(std::move(name)),
+      unshard_in_backward_(unshard_in_backward),
       params_(std::move(params)) {
   const c10::ScalarType master =
       params_.empty() ? c10::kFloat : params_.front()->sharded().scalar_type();
@@ -295,6 +348,10 @@ void UnitGroup::Trace(const char* name, TraceTrack track, int64_t begin_ns,
 
 void UnitGroup::Unshard() {
   if (state_ != State::kSharded) return;
+  // Backward (not a recompute inside it) does not need this unit's values.
+  if (!unshard_in_backward_ && core_->callback_queued &&
+      core_->recompute_depth == 0)
+    return;
   if (params_.empty() || aliases_shard_) {  // nothing to gather
     state_ = State::kUnsharded;
     return;
@@ -422,6 +479,8 @@ void UnitGroup::Reshard() {
 
 void UnitGroup::PreForward() {
   core_->CheckOk();
+  if (!forwarded && core_->recompute_depth == 0)
+    core_->BeforeFirstEntry(index_);
   if (core_->trace != nullptr) forward_begin_ns_ = TraceRecorder::NowNanos();
   if (index_ == 0 && core_->recompute_depth == 0) core_->BeginForwardMeasure();
   Unshard();
@@ -432,10 +491,17 @@ void UnitGroup::PreForward() {
   }
   WaitForUnshard();
   forwarded = true;
+  if (core_->recompute_depth == 0) ++forward_calls;
 }
 
 void UnitGroup::PostForward() {
-  if (index_ == 0 && core_->recompute_depth == 0) core_->EndForwardMeasure();
+  if (core_->recompute_depth == 0) {
+    if (index_ == 0) {
+      core_->CompleteForward();
+      core_->EndForwardMeasure();
+    }
+    last_exit = core_->exits++;
+  }
   if (reshard_after_forward && core_->recompute_depth == 0) Reshard();
   if (core_->trace != nullptr) {
     Trace(core_->recompute_depth > 0 ? "recompute" : "forward",
@@ -443,10 +509,19 @@ void UnitGroup::PostForward() {
   }
 }
 
+void UnitGroup::SkipForward() {
+  PreForward();
+  PostForward();
+}
+
 void UnitGroup::PreBackward() {
   core_->QueueEndOfBackwardOnce();
+  core_->CompleteForward();
+  // A unit entered several times: the later calls' outputs find it unsharded
+  // (nothing reshards it before its last post-backward).
   if (pre_backward_done) return;
   pre_backward_done = true;
+  core_->FinishUnreachedAfter(last_exit);
   if (core_->trace != nullptr) backward_begin_ns_ = TraceRecorder::NowNanos();
   // An all-gather issued now queues behind the previous unit's reduce-scatter
   // on the same communicator anyway: finish that first, so its flat buffers
@@ -459,6 +534,14 @@ void UnitGroup::PreBackward() {
 }
 
 void UnitGroup::PostBackward() {
+  if (post_backward_done) return;
+  // One hook per call: the gradients of all calls accumulate in the unsharded
+  // parameters and are reduced once, after the last.
+  if (++backward_calls < forward_calls) return;
+  FinishBackward();
+}
+
+void UnitGroup::FinishBackward() {
   if (post_backward_done) return;
   post_backward_done = true;
   if (core_->trace != nullptr) {
@@ -486,12 +569,12 @@ void UnitGroup::IssueReduction() {
     // Nothing to reduce with: the gradients themselves, in reduce_dtype, are
     // the reduced shards (no flat buffer, no copy when the dtypes agree).
     direct_grads_.assign(params_.size(), at::Tensor());
-    had_grad_.resize(params_.size(), false);
     for (size_t i = 0; i < params_.size(); ++i) {
       const at::Tensor g = params_[i]->unsharded_grad();
       if (!g.defined()) continue;
-      had_grad_[i] = true;
       direct_grads_[i] = g.to(reduce_dtype_);
+      if (const std::optional<double> scale = core_->reduced_grad_scale())
+        direct_grads_[i] = direct_grads_[i].mul(*scale);
       params_[i]->ClearUnshardedGrad();
     }
     reduction_pending_ = true;
@@ -504,17 +587,19 @@ void UnitGroup::IssueReduction() {
   }
   const at::TensorOptions options =
       at::TensorOptions().dtype(reduce_dtype_).device(core_->options.device);
-  const int64_t chunk = FlatChunkNumel(params());
+  const int64_t chunk = ReductionChunkNumel();
   rs_input_ = core_->buffers.Acquire(chunk * core_->shard_size(), options);
   ReduceScatterCopyIn(params(), rs_input_);
-  core_->SampleTransientBytes();
-  // Parameters that got no gradient (frozen, or unused in this graph — the same
-  // on every rank) keep an undefined sharded grad, as in single-process
-  // training, so the optimizer skips them.
-  had_grad_.resize(params_.size(), false);
-  for (size_t i = 0; i < params_.size(); ++i) {
-    if (params_[i]->unsharded_grad().defined()) had_grad_[i] = true;
+  {
+    // Every rank's chunk carries this rank's flags in its tail.
+    at::NoGradGuard no_grad;
+    const int64_t grads = FlatChunkNumel(params());
+    const at::Tensor flags = rs_input_.view({core_->shard_size(), chunk})
+                                 .narrow(1, grads, chunk - grads);
+    FillGradFlags(flags[0]);
+    for (int r = 1; r < core_->shard_size(); ++r) flags[r].copy_(flags[0]);
   }
+  core_->SampleTransientBytes();
   for (ShardedParam* p : params()) p->ClearUnshardedGrad();
   if (core_->shard_size() > 1) {
     // In place: the reduced chunk lands in this rank's slot of the input.
@@ -523,8 +608,8 @@ void UnitGroup::IssueReduction() {
     absl::StatusOr<comm::Buffer> out = ToBuffer(rs_output_);
     if (!in.ok()) core_->Fail(in.status());
     if (!out.ok()) core_->Fail(out.status());
-    rs_work_ =
-        core_->mesh.shard->ReduceScatter(*in, *out, comm::ReduceOp::kAvg);
+    rs_work_ = core_->mesh.shard->ReduceScatter(*in, *out,
+                                                core_->collective_reduce_op());
   }
   rs_all_reduce_ = core_->requires_all_reduce;
   reduction_pending_ = true;
@@ -537,19 +622,24 @@ void UnitGroup::IssueReduceScatterSegments() {
   const int rank = core_->shard_rank();
   const at::TensorOptions options =
       at::TensorOptions().dtype(reduce_dtype_).device(core_->options.device);
-  const int64_t chunk = FlatChunkNumel(ps);
+  const int64_t chunk = ReductionChunkNumel();
+  const int64_t num_flags = static_cast<int64_t>(ps.size());
   // Without replicas the sum lands in place, in this rank's own rows of each
   // gradient (no output buffer). HSDP all-reduces one flat chunk, so there the
   // sum goes to a chunk in the flat path's padded layout. Either way, room for
   // the peers' contributions if the backend receives them before summing.
   rs_in_place_ = core_->replicate_size() == 1;
   if (!rs_in_place_) rs_output_ = core_->buffers.Acquire(chunk, options);
+  // The flags go to every rank as one more segment (a copy per rank, since
+  // this rank's copy also receives the sum in place).
+  rs_flags_ = at::empty({size, num_flags}, options);
+  FillGradFlags(rs_flags_[0]);
+  for (int r = 1; r < size; ++r) rs_flags_[r].copy_(rs_flags_[0]);
   const int64_t scratch_count =
       core_->mesh.shard->ReduceScatterScratchCount(chunk);
   if (scratch_count > 0) {
     rs_scratch_ = core_->buffers.Acquire(scratch_count, options);
   }
-  had_grad_.resize(ps.size(), false);
   rs_grads_.clear();
   std::vector<std::vector<comm::Buffer>> inputs(static_cast<size_t>(size));
   std::vector<comm::Buffer> outputs;
@@ -559,7 +649,6 @@ void UnitGroup::IssueReduceScatterSegments() {
     ShardedParam* p = ps[i];
     at::Tensor g = p->unsharded_grad();
     if (g.defined()) {
-      had_grad_[i] = true;
       // In reduce_dtype and contiguous; a no-op in the common case.
       g = g.to(reduce_dtype_).contiguous();
     } else {
@@ -595,6 +684,19 @@ void UnitGroup::IssueReduceScatterSegments() {
     }
     offset += p->shard_numel();
   }
+  for (int r = 0; r < size; ++r) {
+    absl::StatusOr<comm::Buffer> flags = ToBuffer(rs_flags_[r]);
+    if (!flags.ok()) core_->Fail(flags.status());
+    inputs[r].push_back(*flags);
+  }
+  if (rs_in_place_) {
+    outputs.push_back(inputs[rank].back());
+  } else {
+    absl::StatusOr<comm::Buffer> out =
+        ToBuffer(rs_output_.narrow(0, offset, num_flags));
+    if (!out.ok()) core_->Fail(out.status());
+    outputs.push_back(*out);
+  }
   for (ShardedParam* p : ps) p->ClearUnshardedGrad();
   rs_grad_bytes_ = 0;
   for (const at::Tensor& g : rs_grads_)
@@ -609,8 +711,8 @@ void UnitGroup::IssueReduceScatterSegments() {
     if (!b.ok()) core_->Fail(b.status());
     scratch = *b;
   }
-  rs_work_ = core_->mesh.shard->ReduceScatterSegments(inputs, outputs, scratch,
-                                                      comm::ReduceOp::kAvg);
+  rs_work_ = core_->mesh.shard->ReduceScatterSegments(
+      inputs, outputs, scratch, core_->collective_reduce_op());
   rs_all_reduce_ = core_->requires_all_reduce;
   reduction_pending_ = true;
   core_->pending_reductions.push_back(this);
@@ -627,7 +729,6 @@ void UnitGroup::FinishReduction() {
       }
     }
     direct_grads_.clear();
-    had_grad_.clear();
     return;
   }
   if (rs_work_) {
@@ -637,14 +738,18 @@ void UnitGroup::FinishReduction() {
     if (!s.ok()) core_->Fail(s);
   }
   if (rs_in_place_) {
-    // Each gradient's own rows now hold this rank's reduced shard.
+    // Each gradient's own rows now hold this rank's reduced shard, zeros that
+    // stood in for a missing gradient included: another rank may have had one.
     const std::vector<ShardedParam*> ps = params();
+    const std::optional<double> scale = core_->reduced_grad_scale();
     for (size_t i = 0; i < ps.size(); ++i) {
-      if (!had_grad_[i]) continue;
-      ps[i]->AccumulateShardedGrad(
-          rs_grads_[i].narrow(0, ps[i]->row_offset(), ps[i]->valid_rows()));
+      if (!ps[i]->sharded().requires_grad()) continue;
+      at::Tensor rows =
+          rs_grads_[i].narrow(0, ps[i]->row_offset(), ps[i]->valid_rows());
+      if (scale.has_value()) rows.mul_(*scale);
+      ps[i]->AccumulateShardedGrad(rows);
     }
-    had_grad_.clear();
+    AddReducedFlags(rs_flags_[core_->shard_rank()]);
   }
   // The segments path is done reading the gradients.
   rs_grads_.clear();
@@ -678,20 +783,24 @@ void UnitGroup::FinishReduction() {
     if (!buffer.ok()) core_->Fail(buffer.status());
     ++stats_.all_reduces;
     const int64_t issued = core_->trace ? TraceRecorder::NowNanos() : 0;
-    std::unique_ptr<comm::Work> work =
-        core_->mesh.replicate->AllReduce(*buffer, comm::ReduceOp::kAvg);
+    std::unique_ptr<comm::Work> work = core_->mesh.replicate->AllReduce(
+        *buffer, core_->collective_reduce_op());
     absl::Status s = WaitWork(work, &stats_.all_reduce_seconds, "all-reduce",
                               issued, TraceTrack::kReplicateComm);
     if (!s.ok()) core_->Fail(s);
   }
+  if (const std::optional<double> scale = core_->reduced_grad_scale())
+    reduced.mul_(*scale);  // the flags stay positive where they were
   {
     const std::vector<ShardedParam*> ps = params();
     const std::vector<at::Tensor> pieces = SplitReducedChunk(reduced, ps);
     for (size_t i = 0; i < ps.size(); ++i) {
-      if (had_grad_[i]) ps[i]->AccumulateShardedGrad(pieces[i]);
+      if (ps[i]->sharded().requires_grad())
+        ps[i]->AccumulateShardedGrad(pieces[i]);
     }
+    AddReducedFlags(
+        reduced.narrow(0, FlatChunkNumel(ps), static_cast<int64_t>(ps.size())));
   }  // the pieces (views of `reduced`) go before the buffers return
-  had_grad_.clear();
   ReleaseReductionBuffers();
 }
 
@@ -703,6 +812,43 @@ void UnitGroup::ReleaseReductionBuffers() {
     core_->buffers.Release(rs_output_);
   }
   core_->buffers.Release(rs_scratch_);
+  rs_flags_.reset();
+}
+
+int64_t UnitGroup::ReductionChunkNumel() const {
+  return FlatChunkNumel(params()) + static_cast<int64_t>(params_.size());
+}
+
+void UnitGroup::FillGradFlags(const at::Tensor& flags) const {
+  at::NoGradGuard no_grad;
+  // One host-to-device copy rather than one fill per parameter.
+  std::vector<float> local(params_.size());
+  for (size_t i = 0; i < params_.size(); ++i)
+    local[i] = params_[i]->unsharded_grad().defined() ? 1.0f : 0.0f;
+  flags.copy_(at::from_blob(local.data(), {static_cast<int64_t>(local.size())},
+                            at::TensorOptions().dtype(at::kFloat)));
+}
+
+void UnitGroup::AddReducedFlags(const at::Tensor& flags) {
+  at::NoGradGuard no_grad;
+  if (grad_flags_.defined()) {
+    grad_flags_.add_(flags);
+  } else {
+    grad_flags_ = flags.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
+  }
+}
+
+void UnitGroup::ResolveUnusedGrads() {
+  if (!grad_flags_.defined()) return;
+  // One read per unit and step, after every reduction of the step finished.
+  const at::Tensor flags = grad_flags_.to(c10::kCPU).contiguous();
+  grad_flags_.reset();
+  const float* any = flags.data_ptr<float>();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (any[i] > 0) continue;
+    at::Tensor& grad = params_[i]->sharded().mutable_grad();
+    if (grad.defined()) grad.reset();
+  }
 }
 
 void UnitGroup::DiscardStep() {
@@ -722,7 +868,8 @@ void UnitGroup::DiscardStep() {
   rs_all_reduce_ = false;
   reduction_pending_ = false;
   partial_reduce_.reset();
-  had_grad_.clear();
+  rs_flags_.reset();
+  grad_flags_.reset();
   direct_grads_.clear();
   for (ShardedParam* p : params()) {
     p->ClearUnshardedGrad();
@@ -738,10 +885,13 @@ void UnitGroup::DiscardStep() {
   forwarded = false;
   pre_backward_done = false;
   post_backward_done = false;
+  forward_calls = 0;
+  backward_calls = 0;
+  last_exit = -1;
 }
 
 int64_t UnitGroup::FlatBufferBytes() const {
-  const int64_t chunk = FlatChunkNumel(params());
+  const int64_t chunk = ReductionChunkNumel();
   const int64_t elem = static_cast<int64_t>(std::max(
       c10::elementSize(compute_dtype_), c10::elementSize(reduce_dtype_)));
   // One gathered / to-be-reduced buffer of S chunks (collectives in place).

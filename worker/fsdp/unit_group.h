@@ -93,6 +93,19 @@ class EngineCore {
   c10::ScalarType param_dtype(c10::ScalarType master) const {
     return options.mixed_precision.param_dtype.value_or(master);
   }
+  // The reduction the collectives run (GradientReduction): kAvg unless the
+  // gradients are summed, with or without a divide factor.
+  comm::ReduceOp collective_reduce_op() const {
+    const GradientReduction& r = options.gradient_reduction;
+    return r.divide_factor.has_value() ? comm::ReduceOp::kSum : r.op;
+  }
+  // What the reduced gradients are multiplied by before they accumulate
+  // (1 / divide_factor); none without a divide factor.
+  std::optional<double> reduced_grad_scale() const {
+    const GradientReduction& r = options.gradient_reduction;
+    if (!r.divide_factor.has_value()) return std::nullopt;
+    return 1.0 / *r.divide_factor;
+  }
 
   // Records the first error (sticky) and throws it as c10::Error: the only way
   // out of an autograd hook. Callers outside autograd convert it back with
@@ -116,6 +129,19 @@ class EngineCore {
   // Runs post-backward for units whose hook did not fire, waits for all
   // reductions, resets the per-backward flags.
   void EndOfBackward();
+  // Before unit `index` is entered for the first time in this pass: refuses a
+  // unit entered after a later one, and runs the forward collectives of the
+  // units skipped since the last one entered (see "Every rank, the same
+  // collectives" in fully_shard.h).
+  void BeforeFirstEntry(int index);
+  // The same for the units after the last one entered; once per pass (from
+  // root's post-forward, the first pre-backward, or the next Apply).
+  void CompleteForward();
+  // Before a unit whose forward ended at `exit` runs its backward: every unit
+  // whose forward ended later and whose backward has not begun is not reached
+  // by this backward on this rank (autograd runs later-created nodes first);
+  // it runs its backward collectives now, latest first, with no gradients.
+  void FinishUnreachedAfter(int exit);
   void ResetPassFlags();
   // Engine::Rebind's reset: every unit's DiscardStep, then the engine-wide
   // per-step state (pending reductions, the end-of-backward callback flag,
@@ -155,6 +181,11 @@ class EngineCore {
   TraceRecorder* trace = nullptr;
 
   bool callback_queued = false;
+  // Per pass: the highest unit index entered, the count of unit forwards
+  // ended (not counting recompute), whether CompleteForward ran.
+  int max_entered = -1;
+  int exits = 0;
+  bool forward_completed = false;
   int recompute_depth = 0;
   std::vector<UnitGroup*> pending_reductions;
   std::map<int64_t, TensorFn> checkpoint_fns;
@@ -191,7 +222,7 @@ class UnitGroup {
  public:
   UnitGroup(EngineCore* core, int index, std::string name,
             std::vector<std::unique_ptr<ShardedParam>> params,
-            bool reshard_after_forward);
+            bool reshard_after_forward, bool unshard_in_backward = true);
   UnitGroup(const UnitGroup&) = delete;
   UnitGroup& operator=(const UnitGroup&) = delete;
 
@@ -213,11 +244,23 @@ class UnitGroup {
 
   void PreForward();
   void PostForward();
+  // Pre- and post-forward with nothing run in between: a unit this rank does
+  // not enter joins the collectives every other rank runs for it.
+  void SkipForward();
   void PreBackward();
+  // The post-backward hook: fires once per call of the unit; the last one
+  // finishes the unit's backward.
   void PostBackward();
+  // Reshards (as scheduled) and issues the unit's reduction.
+  void FinishBackward();
   // Waits the issued reduce-scatter (and all-reduce) and accumulates into the
   // sharded grads.
   void FinishReduction();
+  // After the step's last backward: a parameter no rank had a gradient for in
+  // any of the step's reductions gets back an undefined sharded grad (as in
+  // single-process training, so the optimizer skips it); every other one keeps
+  // the reduced sum, zeros from the ranks without a gradient included.
+  void ResolveUnusedGrads();
 
   // Drops the unit's part of an interrupted step without waiting or issuing
   // anything: the in-flight works (never waited), the flat buffers, the
@@ -242,6 +285,11 @@ class UnitGroup {
   bool forwarded = false;
   bool pre_backward_done = false;
   bool post_backward_done = false;
+  // Per pass: calls of the unit (recompute not counted), post-backward hooks
+  // fired, and when (EngineCore::exits) its last call's forward ended.
+  int forward_calls = 0;
+  int backward_calls = 0;
+  int last_exit = -1;
 
  private:
   enum class State { kSharded, kGathering, kUnsharded };
@@ -252,6 +300,13 @@ class UnitGroup {
   void IssueReduction();
   void IssueReduceScatterSegments();
   void ReleaseReductionBuffers();
+  // Elements of one rank's chunk of a reduction: the gradients' flat chunk,
+  // then one flag per parameter.
+  int64_t ReductionChunkNumel() const;
+  // Writes this rank's flags into `flags` (one element per parameter).
+  void FillGradFlags(const at::Tensor& flags) const;
+  // Adds one reduction's reduced flags to grad_flags_.
+  void AddReducedFlags(const at::Tensor& flags);
   // Waits `work` (a collective of this unit issued at `issued_ns`), adds its
   // time to `seconds` and, when tracing, records the wait on the compute
   // track and the collective on `track`.
@@ -264,6 +319,8 @@ class UnitGroup {
   EngineCore* core_;
   int index_;
   std::string name_;
+  // UnitOptions::unshard_in_backward.
+  bool unshard_in_backward_;
   std::vector<std::unique_ptr<ShardedParam>> params_;
   State state_ = State::kSharded;
   c10::ScalarType compute_dtype_;
@@ -291,9 +348,15 @@ class UnitGroup {
   // Shard-reduced grads of earlier microbatches that still owe the replicate
   // all-reduce.
   at::Tensor partial_reduce_;
-  // Per parameter: some reduction since the last accumulation carried a
-  // gradient.
-  std::vector<bool> had_grad_;
+  // Which ranks had a gradient for each parameter travels with the gradients:
+  // every reduced chunk ends in one flag per parameter (1 where this rank's
+  // gradient was defined, 0 where zeros stood in), reduced like the gradients.
+  // Segments path: the flags sent, one copy per destination rank.
+  at::Tensor rs_flags_;
+  // The reduced flags of this step's reductions, summed (float32, one per
+  // parameter): positive where some rank had a gradient. ResolveUnusedGrads
+  // reads them once the step's last backward is over.
+  at::Tensor grad_flags_;
   // One shard, one replica: the gradients handed over without a collective.
   std::vector<at::Tensor> direct_grads_;
   // Every parameter aliases its shard: nothing to gather or free.

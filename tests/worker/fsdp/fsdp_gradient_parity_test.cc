@@ -62,13 +62,15 @@ void PutRows(Engine& engine, StateDict& out, bool& agree, std::mutex& mu) {
 }
 
 Sharded TrainSgdSharded(comm::MeshShape shape, int microbatches,
-                        const StateDict& init, const ModelDims& dims) {
+                        const StateDict& init, const ModelDims& dims,
+                        const GradientReduction& reduction = {}) {
   Sharded result;
   result.grads.resize(kSteps);
   std::mutex mu;
   RunConfig config;
   config.dims = dims;
   config.microbatches = microbatches;
+  config.gradient_reduction = reduction;
   RunOnMesh(shape, [&](RankContext& ctx) {
     TinyTransformer model = MakeModel(dims, init);
     std::unique_ptr<Engine> engine = MakeEngine(model, ctx.comms(), config);
@@ -104,16 +106,21 @@ struct Reference {
   StateDict params;
 };
 
-Reference TrainSgdReference(const StateDict& init, const ModelDims& dims) {
+// `grad_scale`: what the sharded run's reduction multiplies the
+// single-process gradient by (the reference's gradients are scaled to match,
+// and its learning rate divided, so both take the same steps).
+Reference TrainSgdReference(const StateDict& init, const ModelDims& dims,
+                            double grad_scale = 1) {
   Reference result;
   TinyTransformer model = MakeModel(dims, init);
-  torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(kLr));
+  torch::optim::SGD sgd(model->parameters(),
+                        torch::optim::SGDOptions(kLr * grad_scale));
   for (int step = 0; step < kSteps; ++step) {
     auto [tokens, targets] = Batch(dims, step, 0, kGlobalBatch);
     Loss(model->forward(tokens), targets).backward();
     StateDict grads;
     for (const auto& item : model->named_parameters())
-      grads[item.key()] = item.value().grad().detach().clone();
+      grads[item.key()] = item.value().grad().detach() * grad_scale;
     result.grads.push_back(std::move(grads));
     sgd.step();
     sgd.zero_grad();
@@ -147,6 +154,67 @@ TEST_P(GradientParityTest, SgdGradientsAndParametersMatchSingleProcess) {
     EXPECT_GT(largest, 100 * kTolerance);
   }
   EXPECT_LT(MaxAbsDiff(got.params, ref.params), kTolerance);
+}
+
+// GradientReduction: kSum gives the sum over ranks (world × the average),
+// a divide factor the sum over that factor. Gradients (not only the update)
+// are compared, each against the single-process gradient times the scale.
+class GradientReductionTest
+    : public ::testing::TestWithParam<std::tuple<int, int, int>> {};
+
+TEST_P(GradientReductionTest, SumAndDivideFactorScaleTheGradient) {
+  at::set_num_threads(1);
+  const auto [replicate, shard, microbatches] = GetParam();
+  const int world = replicate * shard;
+  ModelDims dims;
+  const StateDict init = MakeInitialState(dims, 3);
+  GradientReduction sum;
+  sum.op = comm::ReduceOp::kSum;
+  GradientReduction divided;
+  divided.divide_factor = 3.0;
+  // The microbatch losses are divided by their count either way: a sum over
+  // ranks is world × the global batch's mean gradient.
+  const std::vector<std::pair<GradientReduction, double>> cases = {
+      {sum, static_cast<double>(world)}, {divided, world / 3.0}};
+  for (const auto& [reduction, scale] : cases) {
+    SCOPED_TRACE(absl::StrCat("scale ", scale));
+    const Reference ref = TrainSgdReference(init, dims, scale);
+    const Sharded got = TrainSgdSharded({replicate, shard}, microbatches, init,
+                                        dims, reduction);
+    EXPECT_TRUE(got.replicas_agree);
+    for (int step = 0; step < kSteps; ++step) {
+      EXPECT_LT(MaxAbsDiff(got.grads[step], ref.grads[step]),
+                kTolerance * scale)
+          << "gradients of step " << step;
+    }
+    EXPECT_LT(MaxAbsDiff(got.params, ref.params), kTolerance * scale);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Meshes, GradientReductionTest,
+    ::testing::Values(std::make_tuple(1, 1, 1), std::make_tuple(1, 2, 1),
+                      std::make_tuple(2, 1, 3), std::make_tuple(2, 2, 3)),
+    [](const auto& info) {
+      return absl::StrCat(std::get<0>(info.param), "x", std::get<1>(info.param),
+                          "_micro", std::get<2>(info.param));
+    });
+
+TEST(GradientReductionOptionsTest, NonPositiveDivideFactorIsRefused) {
+  torch::nn::Linear model(2, 2);
+  GradientReduction reduction;
+  reduction.divide_factor = 0.0;
+  EngineOptions options;
+  options.gradient_reduction = reduction;
+  RunOnMesh({1, 1}, [&](RankContext& ctx) {
+    absl::StatusOr<std::unique_ptr<Engine>> engine =
+        Engine::Create(model.ptr(), ctx.comms(), options);
+    ASSERT_FALSE(engine.ok());
+    EXPECT_EQ(engine.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(engine.status().message().find("divide_factor"),
+              std::string::npos)
+        << engine.status();
+  });
 }
 
 INSTANTIATE_TEST_SUITE_P(

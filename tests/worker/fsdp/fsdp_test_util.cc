@@ -148,6 +148,7 @@ EngineOptions EngineOptionsFor(const RunConfig& config) {
   options.mixed_precision = config.mixed_precision;
   options.offload.offload_params = config.offload;
   options.reshard_after_forward = config.reshard_after_forward;
+  options.gradient_reduction = config.gradient_reduction;
   return options;
 }
 

@@ -92,6 +92,7 @@ struct RunConfig {
   double clip_norm = 0;  // 0: no clipping
   double lr = 2e-3;
   MixedPrecisionPolicy mixed_precision;
+  GradientReduction gradient_reduction;
 };
 
 struct RunResult {
