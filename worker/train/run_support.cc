@@ -52,6 +52,9 @@ fsdp::EngineOptions EngineOptionsFor(const TrainingOptions& t,
     eo.mixed_precision.reduce_dtype = DtypeFromName(t.reduce_dtype);
   }
   eo.offload.offload_params = t.cpu_offload;
+  if (t.grad_reduce == "sum") eo.gradient_reduction.op = comm::ReduceOp::kSum;
+  if (t.grad_divide_factor > 0)
+    eo.gradient_reduction.divide_factor = t.grad_divide_factor;
   return eo;
 }
 

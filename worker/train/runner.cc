@@ -17,6 +17,7 @@
 #include "worker/train/run_support.h"
 #include "worker/train/shard_context.h"
 #include "worker/train/sharded_run.h"
+#include "worker/train/task_checks.h"
 #include "worker/train/task_sharding.h"
 #include "worker/train/training_options.h"
 
@@ -64,8 +65,14 @@ absl::Status TrainReference(std::unique_ptr<Task> task,
   SetThreads(o.process.threads);
   const c10::Device device(c10::kCPU);
   HSDP_RETURN_IF_ERROR(task->Build(BuildContext{device, t.seed}));
-  HSDP_RETURN_IF_ERROR(BuildAllUnits(*task, device));
+  std::vector<std::shared_ptr<UnitBinding>> bindings;
+  std::vector<std::string> unit_names;
+  HSDP_RETURN_IF_ERROR(BuildAllUnits(*task, device, &bindings, &unit_names));
+  HSDP_RETURN_IF_ERROR(
+      CheckUnitGlob("--recompute-units", t.recompute_units, unit_names));
   DirectShardContext units_context(task->NumUnits());
+  UnitBindings unit_bindings;
+  unit_bindings.Bind(std::move(bindings), &units_context);
   task->Shard(units_context);
   std::vector<at::Tensor> params;
   for (const auto& [name, p] : UniqueNamedParameters(*task->Model()))
@@ -76,6 +83,9 @@ absl::Status TrainReference(std::unique_ptr<Task> task,
   HSDP_RETURN_IF_ERROR(report_file.Open(o.process.report_file));
   const int micro = std::max(1, o.microbatches);
   const double parts = static_cast<double>(o.world_size) * micro;
+  // A sum over ranks (or over a divide factor) instead of their mean: what the
+  // sharded run's gradient is, relative to the global batch's mean.
+  const double grad_scale = ReferenceGradScale(t, o.world_size);
   for (int64_t step = 0; step < t.steps; ++step) {
     const auto t0 = std::chrono::steady_clock::now();
     ApplyLearningRate(*opt, t, step);
@@ -85,9 +95,16 @@ absl::Status TrainReference(std::unique_ptr<Task> task,
                            t.seed};
       HSDP_ASSIGN_OR_RETURN(Batch batch,
                             MicrobatchBatch(*task, request, device));
+      const bool check_task = step == 0 && i == 0;
+      if (check_task) {
+        HSDP_RETURN_IF_ERROR(CheckDeterministicBatch(*task, request, batch));
+      }
       HSDP_ASSIGN_OR_RETURN(at::Tensor l, MicrobatchLoss(*task, batch));
+      if (check_task) {
+        HSDP_RETURN_IF_ERROR(CheckLossGraph(l, *task->Model()));
+      }
       l = l / parts;
-      l.backward();
+      (grad_scale == 1.0 ? l : l * grad_scale).backward();
       loss += l.item<double>();
     }
     if (t.clip_grad_norm > 0) ClipGradNorm(params, t.clip_grad_norm);

@@ -79,6 +79,12 @@ struct TrainingOptions {
   std::string recompute_units;
   // Clip the global gradient norm to this (0: no clipping).
   double clip_grad_norm = 0;
+  // How gradients combine across ranks (fsdp::GradientReduction): "avg", the
+  // mean over ranks, for a loss averaged over each rank's samples; "sum" for
+  // a loss summed over them. grad_divide_factor > 0: the sum over ranks
+  // divided by it instead. The reference applies the same scale.
+  std::string grad_reduce = "avg";
+  double grad_divide_factor = 0;
 };
 
 // Settings of this process that may differ between ranks.

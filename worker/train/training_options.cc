@@ -77,6 +77,15 @@ absl::Status ValidateTrainingOptions(const TrainingOptions& o) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--reduce-dtype: '", o.reduce_dtype, "' is not fp32 or bf16"));
   }
+  if (o.grad_reduce != "avg" && o.grad_reduce != "sum") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--grad-reduce: '", o.grad_reduce, "' is not avg or sum"));
+  }
+  if (o.grad_divide_factor < 0 || !std::isfinite(o.grad_divide_factor)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--grad-divide-factor: ", o.grad_divide_factor,
+                     " is not a positive number (0: none)"));
+  }
   if (o.clip_grad_norm < 0 || !std::isfinite(o.clip_grad_norm)) {
     return absl::InvalidArgumentError(
         absl::StrCat("--clip-grad-norm: ", o.clip_grad_norm, " is not >= 0"));
@@ -121,7 +130,15 @@ hsdp::v1::TrainingSpec ToProto(const TrainingOptions& o,
   spec.set_cpu_offload(o.cpu_offload);
   spec.set_recompute_units(o.recompute_units);
   spec.set_clip_grad_norm(o.clip_grad_norm);
+  spec.set_grad_reduce(o.grad_reduce);
+  spec.set_grad_divide_factor(o.grad_divide_factor);
   return spec;
+}
+
+double ReferenceGradScale(const TrainingOptions& o, int64_t world_size) {
+  const double world = static_cast<double>(world_size);
+  if (o.grad_divide_factor > 0) return world / o.grad_divide_factor;
+  return o.grad_reduce == "sum" ? world : 1.0;
 }
 
 }  // namespace hsdp::train

@@ -3,6 +3,7 @@
 #ifndef HSDP_WORKER_TRAIN_TRAINING_OPTIONS_H_
 #define HSDP_WORKER_TRAIN_TRAINING_OPTIONS_H_
 
+#include <cstdint>
 #include <string>
 
 #include "absl/status/status.h"
@@ -20,6 +21,11 @@ absl::Status ValidateTrainingOptions(const TrainingOptions& options);
 hsdp::v1::TrainingSpec ToProto(const TrainingOptions& options,
                                const TaskArgs& task_args,
                                const std::string& task_name, int task_version);
+
+// What the single-process reference multiplies its gradient (of the global
+// batch's mean loss) by to equal a sharded run's over `world_size` ranks:
+// 1 for "avg", world_size for "sum", world_size / grad_divide_factor.
+double ReferenceGradScale(const TrainingOptions& options, int64_t world_size);
 
 }  // namespace hsdp::train
 

@@ -152,6 +152,14 @@ int WorkerMain(int argc, char** argv, const TaskFactory& factory) {
   app.add_option("--reduce-dtype", t.reduce_dtype,
                  "dtype gradients are reduced in (default: fp32)")
       ->envname("HSDP_REDUCE_DTYPE");
+  app.add_option("--grad-reduce", t.grad_reduce,
+                 "how gradients combine across ranks: avg (the mean; for a "
+                 "loss averaged over samples) or sum")
+      ->envname("HSDP_GRAD_REDUCE");
+  app.add_option("--grad-divide-factor", t.grad_divide_factor,
+                 "when > 0: gradients are summed over ranks and divided by "
+                 "this (e.g. the global batch's token count)")
+      ->envname("HSDP_GRAD_DIVIDE_FACTOR");
   app.add_flag("--cpu-offload", t.cpu_offload,
                "keep shards, gradients and optimizer state on the CPU")
       ->envname("HSDP_CPU_OFFLOAD");

@@ -7,6 +7,7 @@
 #include "worker/models/torchscript_task.h"
 
 #include <torch/csrc/jit/runtime/graph_executor.h>
+#include <torch/csrc/jit/serialization/import.h>
 #include <torch/torch.h>
 
 #include <cstdlib>
@@ -20,6 +21,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 #include "gtest/gtest.h"
 #include "tests/worker/fsdp/fsdp_test_util.h"
 #include "worker/train/shard_context.h"
@@ -258,6 +260,82 @@ INSTANTIATE_TEST_SUITE_P(
     [](const ::testing::TestParamInfo<ShardingCase>& info) {
       return absl::StrCat(info.param.units == "layers.*" ? "Glob" : "Listed",
                           info.param.recompute ? "Recompute" : "");
+    });
+
+// A scripted mixture of experts (examples/torchscript/moe.py) on a batch
+// whose samples reach only some experts, and never expert 7: every shard's
+// gradient equals PyTorch's own (eager, in Python) gradient of the whole
+// batch's mean loss, and a parameter no sample reaches has none, on every
+// mesh shape.
+class MoeGradientsTest : public ::testing::TestWithParam<comm::MeshShape> {};
+
+TEST_P(MoeGradientsTest, EqualPyTorchsOwnOnEveryMesh) {
+  REQUIRE_MODELS();
+  at::set_num_threads(1);
+  const comm::MeshShape mesh = GetParam();
+  std::map<std::string, at::Tensor> want;
+  for (const auto& b :
+       torch::jit::load(ModelsDir() + "/moe_reference.pt").named_buffers())
+    want[b.name] = b.value;
+  const at::Tensor tokens = want.at("tokens");
+  const at::Tensor targets = want.at("targets");
+  const int64_t local = tokens.size(0) / mesh.world_size();
+  std::mutex mu;
+  int checked = 0, without = 0;
+  RunOnMesh(mesh, [&](RankContext& rank) {
+    std::unique_ptr<TorchScriptTask> task = Load("moe.pt");
+    ASSERT_NE(task, nullptr);
+    fsdp::EngineOptions options;
+    auto described = train::DescribeTaskUnits(*task, options);
+    ASSERT_TRUE(described.ok()) << described.status();
+    auto engine = train::ShardTask(*task, rank.comms(), options, *described);
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    train::EngineShardContext ctx(**engine,
+                                  std::vector<bool>(task->NumUnits(), false));
+    task->Shard(ctx);
+    ASSERT_TRUE((*engine)
+                    ->Apply(fsdp::testing::PlanSchedule(
+                                **engine, fsdp::testing::RunConfig{}),
+                            0)
+                    .ok());
+    const train::Batch batch{tokens.narrow(0, rank.rank * local, local),
+                             targets.narrow(0, rank.rank * local, local)};
+    at::Tensor loss = (*engine)->Root().Forward(
+        std::vector<at::Tensor>{},
+        [&](const std::vector<at::Tensor>&) -> std::vector<at::Tensor> {
+          return {task->Loss(batch).value()};
+        })[0];
+    loss.backward();
+    ASSERT_TRUE((*engine)->status().ok()) << (*engine)->status();
+    const auto layout = fsdp::ShardedStateDict(**engine);
+    std::lock_guard<std::mutex> lock(mu);
+    for (const auto& [name, shard] : (*engine)->NamedParameters()) {
+      const std::string key =
+          "grad__" + absl::StrReplaceAll(name, {{".", "__"}});
+      auto it = want.find(key);
+      if (it == want.end()) {
+        EXPECT_FALSE(shard.grad().defined()) << name;
+        if (rank.rank == 0) ++without;
+        continue;
+      }
+      ASSERT_TRUE(shard.grad().defined()) << name;
+      const fsdp::ShardedTensor& st = layout.at(name);
+      const at::Tensor rows =
+          it->second.narrow(0, st.row_offset, shard.size(0));
+      EXPECT_LT((shard.grad() - rows).abs().max().item<double>(), 1e-6) << name;
+      if (rank.rank == 0) ++checked;
+    }
+  });
+  EXPECT_EQ(without, 8);  // expert 7's four tensors in each of two layers
+  EXPECT_EQ(checked + without, 71);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Meshes, MoeGradientsTest,
+    ::testing::Values(comm::MeshShape{4, 1}, comm::MeshShape{1, 4},
+                      comm::MeshShape{2, 2}, comm::MeshShape{1, 2}),
+    [](const auto& info) {
+      return absl::StrCat(info.param.replicate, "x", info.param.shard);
     });
 
 // INVALID_ARGUMENT (or `code`), one line, containing `needle`.

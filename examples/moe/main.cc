@@ -1,0 +1,17 @@
+// moe-worker: an hsdp worker binary for the example mixture of experts. It
+// takes every hsdp-worker flag (WorkerMain), so hsdp-launch runs it with
+// --worker-binary, and --reference trains it unsharded in this process.
+#include "moe_task.h"
+#include "worker/train/worker_main.h"
+
+int main(int argc, char** argv) {
+  return hsdp::train::WorkerMain(
+      argc, argv,
+      [](const hsdp::train::TaskArgs& args)
+          -> absl::StatusOr<std::unique_ptr<hsdp::train::Task>> {
+        absl::StatusOr<std::unique_ptr<moe::MoeTask>> task =
+            moe::MoeTask::Create(args);
+        if (!task.ok()) return task.status();
+        return std::unique_ptr<hsdp::train::Task>(std::move(*task));
+      });
+}
