@@ -40,6 +40,7 @@
 #include <string>
 #include <vector>
 
+#include "common/memory_breakdown.h"
 #include "common/units.h"
 #include "hsdp/v1/schedule.pb.h"
 
@@ -47,30 +48,6 @@ namespace hsdp {
 
 // AdamW keeps two moments (exp_avg, exp_avg_sq) per parameter element.
 inline constexpr int kAdamWStateCopies = 2;
-
-// A rank's bytes at one moment, by category.
-struct MemoryBreakdown {
-  // Local parameter shards (the master copy the optimizer updates).
-  int64_t shards = 0;
-  int64_t optimizer_state = 0;
-  // Reduced, sharded gradients (accumulated across microbatches).
-  int64_t sharded_grads = 0;
-  // All-gathered parameters alive (in-flight gathers included).
-  int64_t unsharded_params = 0;
-  // Gradients of the unsharded parameters not reduced yet.
-  int64_t unsharded_grads = 0;
-  // Staging and scratch buffers of the collectives.
-  int64_t comm_buffers = 0;
-  // Tensors autograd saved for backward.
-  int64_t activations = 0;
-  // A measurement's bytes beyond the categories above (temporaries, inputs);
-  // never predicted.
-  int64_t other = 0;
-
-  int64_t Total() const;
-  // "total 12.3 MiB = shards 1.0 + optimizer 2.0 + ..." (MiB).
-  std::string ToString() const;
-};
 
 // How a backend moves a unit's bytes (see worker/fsdp/unit_group.h).
 enum class CommPath {

@@ -77,14 +77,14 @@ absl::Status ResNetTask::Build(const hsdp::train::BuildContext& context) {
 }
 
 absl::StatusOr<hsdp::train::UnitSpec> ResNetTask::BuildUnit(int index) {
-  ResidualBlock block = model_->BuildBlock(index);
-  return hsdp::train::UnitSpec{absl::StrCat("blocks.", index), {block.ptr()}};
+  blocks_.at(index) =
+      hsdp::train::Unit<ResidualBlockImpl>(model_->BuildBlock(index).ptr());
+  return blocks_[index].Spec(absl::StrCat("blocks.", index));
 }
 
-void ResNetTask::ReleaseUnit(int index) { model_->ReleaseBlock(index); }
-
-void ResNetTask::Shard(hsdp::train::ShardContext& context) {
-  units_ = &context;
+void ResNetTask::ReleaseUnit(int index) {
+  model_->ReleaseBlock(index);
+  blocks_.at(index) = hsdp::train::Unit<ResidualBlockImpl>();
 }
 
 absl::StatusOr<hsdp::train::Batch> ResNetTask::GetBatch(
@@ -95,16 +95,8 @@ absl::StatusOr<hsdp::train::Batch> ResNetTask::GetBatch(
 }
 
 absl::StatusOr<at::Tensor> ResNetTask::Loss(const hsdp::train::Batch& batch) {
-  if (units_ == nullptr) {
-    return absl::FailedPreconditionError("resnet: Loss before Shard");
-  }
   at::Tensor x = model_->Stem(batch.input);
-  for (int i = 0; i < NumUnits(); ++i) {
-    ResidualBlock block = model_->block(i);  // by value: recompute may rerun it
-    x = units_->Forward(i, x, [block](const at::Tensor& y) {
-      return ResidualBlock(block)->forward(y);
-    });
-  }
+  for (const auto& block : blocks_) x = block(x);
   return torch::nn::functional::cross_entropy(model_->Head(x), batch.target);
 }
 

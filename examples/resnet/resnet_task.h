@@ -12,11 +12,13 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "resnet.h"
 #include "synthetic_images.h"
 #include "worker/train/task.h"
+#include "worker/train/unit.h"
 
 namespace resnet {
 
@@ -35,7 +37,6 @@ class ResNetTask : public hsdp::train::Task {
   int NumUnits() const override { return static_cast<int>(config_.blocks); }
   absl::StatusOr<hsdp::train::UnitSpec> BuildUnit(int index) override;
   void ReleaseUnit(int index) override;
-  void Shard(hsdp::train::ShardContext& context) override;
   absl::StatusOr<hsdp::train::Batch> GetBatch(
       const hsdp::train::BatchRequest& request) override;
   absl::StatusOr<at::Tensor> Loss(const hsdp::train::Batch& batch) override;
@@ -45,12 +46,14 @@ class ResNetTask : public hsdp::train::Task {
  private:
   explicit ResNetTask(const ResNetConfig& config)
       : config_(config),
-        data_(config.in_channels, config.image_size, config.classes) {}
+        data_(config.in_channels, config.image_size, config.classes),
+        blocks_(static_cast<size_t>(config.blocks)) {}
 
   ResNetConfig config_;
   SyntheticImages data_;
   ResNet model_{nullptr};
-  hsdp::train::ShardContext* units_ = nullptr;
+  // Calling a block enters its unit; empty while the block is released.
+  std::vector<hsdp::train::Unit<ResidualBlockImpl>> blocks_;
 };
 
 }  // namespace resnet

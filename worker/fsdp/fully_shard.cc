@@ -48,8 +48,8 @@ std::vector<at::Tensor> CastFloating(std::vector<at::Tensor> tensors,
 std::vector<at::Tensor> UnitHandle::Forward(
     const std::vector<at::Tensor>& inputs, const TensorListFn& fn) {
   EngineCore& core = group_->core();
-  TORCH_CHECK(core.finalized,
-              "hsdp engine: call FullyShardRoot() before forward");
+  TORCH_CHECK(core.finalized, kUsageErrorPrefix,
+              "call FullyShardRoot() before forward");
   group_->PreForward();
   std::vector<at::Tensor> in = inputs;
   const MixedPrecisionPolicy& mp = core.options.mixed_precision;
@@ -411,6 +411,13 @@ std::vector<std::pair<std::string, at::Tensor>> Engine::NamedParameters()
 }
 
 absl::Status Engine::status() const { return core_->status; }
+
+std::pair<std::string, std::string> Engine::ForwardPosition() const {
+  const int last = core_->max_entered;
+  const int n = static_cast<int>(core_->units.size());
+  return {last >= 0 && last < n ? core_->units[last]->name() : "",
+          last + 1 < n ? core_->units[last + 1]->name() : ""};
+}
 
 absl::Status Engine::Rebind(MeshComms comms) {
   if (comms.shard == nullptr) {

@@ -35,7 +35,11 @@
 // c10::Error thrown by UnitHandle::Forward / backward() — the only way out of
 // an autograd hook — whose message is the Status; it is also kept (sticky) in
 // Engine::status(), and Apply refuses to go on. Catch c10::Error around the
-// step and end the generation.
+// step and end the generation. A misuse of the engine inside a forward (units
+// entered out of order, Forward before FullyShardRoot) throws a c10::Error
+// whose message starts with kUsageErrorPrefix and leaves status() OK: a
+// mistake in the model's code, the same on every rank, not a reason to
+// re-form.
 //
 // `ShardedModule<M>` wraps a module holder so `wrapped(x)` is
 // `unit.Forward(x, module->forward)`. Activation recompute: `Recompute(engine,
@@ -90,9 +94,8 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "common/memory_model.h"
+#include "common/memory_breakdown.h"
 #include "worker/comm/communicator.h"
-#include "worker/fsdp/trace_recorder.h"
 
 namespace torch::nn {
 class Module;
@@ -107,6 +110,10 @@ namespace hsdp::fsdp {
 
 class UnitGroup;
 class EngineCore;
+class TraceRecorder;
+
+// How the messages of usage errors thrown inside a forward begin.
+inline constexpr char kUsageErrorPrefix[] = "hsdp engine misuse: ";
 
 // The two communicators of this rank in a replicate × shard mesh. Not owned:
 // they must outlive the Engine. `replicate` may be null or of size 1 (plain
@@ -349,6 +356,13 @@ class Engine {
   // First collective error since Create or the last Rebind (sticky): once
   // set, the engine stops issuing collectives.
   absl::Status status() const;
+
+  // For error messages: the unit the current forward entered last and the
+  // first unit declared after it ("" where there is none). A sharded unit's
+  // parameters read outside its forward (its module called directly) fail in
+  // LibTorch without a name; in a forward that enters units in order, the
+  // culprit is most likely the next one.
+  std::pair<std::string, std::string> ForwardPosition() const;
 
   // Elastic recovery: abandons the interrupted step and continues on `comms`.
   // Call on the training thread, between steps (after the failed step's

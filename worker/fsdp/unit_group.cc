@@ -11,6 +11,7 @@
 #include "absl/time/time.h"
 #include "worker/fsdp/collectives.h"
 #include "worker/fsdp/hooks.h"
+#include "common/memory_model.h"
 #include "worker/fsdp/memory_meter.h"
 
 namespace hsdp::fsdp {
@@ -215,13 +216,13 @@ void EngineCore::EndOfBackward() {
 }
 
 void EngineCore::BeforeFirstEntry(int index) {
-  if (index < max_entered) {
-    Fail(absl::FailedPreconditionError(absl::StrCat(
-        "unit ", units[index]->name(), " was entered after unit ",
-        units[max_entered]->name(),
-        ": a forward enters units in the order they were declared "
-        "(FullyShard order; a unit may be skipped, or entered again)")));
-  }
+  // A usage error, not a collective one: thrown without the sticky status
+  // (fully_shard.h, "Errors").
+  TORCH_CHECK(index >= max_entered, kUsageErrorPrefix, "unit ",
+              units[index]->name(), " was entered after unit ",
+              units[std::max(max_entered, 0)]->name(),
+              ": a forward enters units in the order they were declared "
+              "(FullyShard order; a unit may be skipped, or entered again)");
   while (max_entered + 1 < index) units[max_entered + 1]->SkipForward();
   max_entered = index;
 }

@@ -52,4 +52,22 @@ std::vector<at::Tensor> DirectShardContext::Forward(
   return fn(inputs);
 }
 
+void UnitBindings::Bind(std::vector<std::shared_ptr<UnitBinding>> bindings,
+                        ShardContext* context) {
+  Clear();
+  bindings_ = std::move(bindings);
+  for (size_t i = 0; i < bindings_.size(); ++i) {
+    if (bindings_[i] == nullptr) continue;
+    bindings_[i]->context = context;
+    bindings_[i]->index = static_cast<int>(i);
+  }
+}
+
+void UnitBindings::Clear() {
+  for (const auto& binding : bindings_) {
+    if (binding != nullptr) *binding = UnitBinding();
+  }
+  bindings_.clear();
+}
+
 }  // namespace hsdp::train

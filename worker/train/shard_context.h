@@ -3,6 +3,7 @@
 #ifndef HSDP_WORKER_TRAIN_SHARD_CONTEXT_H_
 #define HSDP_WORKER_TRAIN_SHARD_CONTEXT_H_
 
+#include <memory>
 #include <vector>
 
 #include "worker/fsdp/fully_shard.h"
@@ -48,6 +49,25 @@ class DirectShardContext : public ShardContext {
  private:
   void Check(int unit) const;
   const int num_units_;
+};
+
+// Points a task's Unit<> wrappers (unit.h) at a context, task unit i at unit
+// i, until Clear() or destruction: keep it no longer than the context.
+// Thread-compatible.
+class UnitBindings {
+ public:
+  UnitBindings() = default;
+  ~UnitBindings() { Clear(); }
+  UnitBindings(const UnitBindings&) = delete;
+  UnitBindings& operator=(const UnitBindings&) = delete;
+
+  // `bindings[i]` (null where the task gave none) for unit i.
+  void Bind(std::vector<std::shared_ptr<UnitBinding>> bindings,
+            ShardContext* context);
+  void Clear();
+
+ private:
+  std::vector<std::shared_ptr<UnitBinding>> bindings_;
 };
 
 }  // namespace hsdp::train

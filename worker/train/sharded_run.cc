@@ -31,6 +31,7 @@
 #include "worker/train/shard_context.h"
 #include "worker/train/shard_state.h"
 #include "worker/train/step_trace.h"
+#include "worker/train/task_checks.h"
 #include "worker/train/task_sharding.h"
 #include "worker/train/training_options.h"
 #include "worker/train/worker_mesh.h"
@@ -56,6 +57,33 @@ absl::Status CollectiveFailure(absl::Status s) {
 
 bool IsCollectiveFailure(const absl::Status& s) {
   return s.GetPayload(kCollectiveFailureUrl).has_value();
+}
+
+// LibTorch's words for a tensor whose storage bytes are freed: what reading a
+// resharded unit's parameters outside its forward gives.
+bool IsFreedStorageError(const std::string& what) {
+  return absl::StrContains(what, "data is not allocated yet") ||
+         (absl::StrContains(what, "setStorage") &&
+          absl::StrContains(what, "storage of size 0"));
+}
+
+// FAILED_PRECONDITION naming the likely unit (fsdp::Engine::ForwardPosition)
+// instead of LibTorch's allocation error.
+absl::Status UnitUsedOutsideItsForward(int64_t step, const fsdp::Engine& engine,
+                                       const std::string& what) {
+  const auto [entered, next] = engine.ForwardPosition();
+  const std::string where =
+      next.empty() ? absl::StrCat("after the last unit, ", entered)
+                   : absl::StrCat("after unit ", entered,
+                                  " and before the forward entered unit ", next,
+                                  ": most likely unit ", next,
+                                  "'s module was called directly");
+  return absl::FailedPreconditionError(absl::StrCat(
+      "step ", step,
+      ": a sharded unit's parameters were used outside its forward, ", where,
+      ". Call a unit's module through its hsdp::train::Unit<> wrapper or "
+      "ShardContext::Forward (LibTorch said: ",
+      what.substr(0, what.find('\n')), ")"));
 }
 
 // Errors a communicator gives when a peer or the generation went away, as
@@ -111,6 +139,7 @@ class ShardedRun {
     // before the stores they rendezvoused through, and the agent (whose
     // watcher calls OnGenerationEnd) before mu_.
     checkpointing_.reset();
+    unit_bindings_.Clear();
     units_context_.reset();
     opt_.reset();
     engine_.reset();
@@ -168,6 +197,11 @@ class ShardedRun {
   // The model's state: kept across generations.
   std::unique_ptr<fsdp::Engine> engine_;
   std::unique_ptr<EngineShardContext> units_context_;
+  // The task's Unit<> wrappers, pointed at units_context_ (declared after it:
+  // cleared first).
+  UnitBindings unit_bindings_;
+  // CheckDeterministicBatch and CheckLossGraph ran (the first microbatch).
+  bool task_checked_ = false;
   std::unique_ptr<torch::optim::Optimizer> opt_;
   // The first step after a resumed checkpoint (0 when fresh).
   int64_t first_step_ = 0;
@@ -217,6 +251,12 @@ absl::Status ShardedRun::Start() {
   HSDP_RETURN_IF_ERROR(task_->Build(BuildContext{device_, t_.seed}));
   engine_options_ = EngineOptionsFor(t_, device_);
   HSDP_ASSIGN_OR_RETURN(units_, DescribeTaskUnits(*task_, engine_options_));
+  {
+    std::vector<std::string> names;
+    for (size_t i = 1; i < units_.size(); ++i) names.push_back(units_[i].name);
+    HSDP_RETURN_IF_ERROR(
+        CheckUnitGlob("--recompute-units", t_.recompute_units, names));
+  }
 
   agent::AgentOptions ao;
   ao.coordinator = o_.coordinator;
@@ -361,10 +401,12 @@ absl::Status ShardedRun::Enter(const Generation& g) {
 
   const fsdp::MeshComms comms{&mesh_->shard(), &mesh_->replicate()};
   if (engine_ == nullptr) {
-    HSDP_ASSIGN_OR_RETURN(engine_,
-                          ShardTask(*task_, comms, engine_options_, units_));
+    std::vector<std::shared_ptr<UnitBinding>> bindings;
+    HSDP_ASSIGN_OR_RETURN(
+        engine_, ShardTask(*task_, comms, engine_options_, units_, &bindings));
     units_context_ = std::make_unique<EngineShardContext>(
         *engine_, RecomputeFlags(t_.recompute_units, units_));
+    unit_bindings_.Bind(std::move(bindings), units_context_.get());
     task_->Shard(*units_context_);
     opt_ = MakeOptimizer(*task_, t_, engine_->Parameters());
   } else {
@@ -474,11 +516,21 @@ absl::StatusOr<Next> ShardedRun::Step(int64_t step) {
                            t_.seed};
       HSDP_ASSIGN_OR_RETURN(Batch batch,
                             MicrobatchBatch(*task_, request, device_));
+      // Once per process: the task's data and graph are what a run needs.
+      const bool check_task = !task_checked_;
+      if (check_task) {
+        task_checked_ = true;
+        HSDP_RETURN_IF_ERROR(CheckDeterministicBatch(*task_, request, batch));
+      }
       absl::Status loss_status;
       at::Tensor loss = engine_->Root().Forward(
           std::vector<at::Tensor>{},
           [&](const std::vector<at::Tensor>&) -> std::vector<at::Tensor> {
             absl::StatusOr<at::Tensor> l = MicrobatchLoss(*task_, batch);
+            if (l.ok() && check_task) {
+              absl::Status graph = CheckLossGraph(*l, *task_->Model());
+              if (!graph.ok()) l = graph;
+            }
             if (!l.ok()) {
               loss_status = l.status();
               return {at::zeros({}, at::TensorOptions().device(device_))};
@@ -495,9 +547,16 @@ absl::StatusOr<Next> ShardedRun::Step(int64_t step) {
     // c10::Error; the engine keeps its status.
     if (!engine_->status().ok()) return CollectiveFailure(engine_->status());
     const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
-    return absl::InternalError(absl::StrCat(
-        "step ", step, ": ",
-        c10_error != nullptr ? c10_error->what_without_backtrace() : e.what()));
+    const std::string what =
+        c10_error != nullptr ? c10_error->what_without_backtrace() : e.what();
+    if (IsFreedStorageError(what)) {
+      return UnitUsedOutsideItsForward(step, *engine_, what);
+    }
+    if (absl::StartsWith(what, fsdp::kUsageErrorPrefix)) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("step ", step, ": ", what));
+    }
+    return absl::InternalError(absl::StrCat("step ", step, ": ", what));
   }
   const fsdp::EngineStats stats = engine_->Stats();
   if (t_.clip_grad_norm > 0) {

@@ -7,36 +7,56 @@
 // The same Task also runs unsharded in one process (RunReference), so any model
 // can be checked against single-process training.
 //
+// clang-format off
+// The example below is tests/worker/train/task_example_test.cc, which builds
+// and trains it (a test checks that the two stay the same):
+//
+//   class BlockImpl : public torch::nn::Module {
+//    public:
+//     BlockImpl() { fc = register_module("fc", torch::nn::Linear(16, 16)); }
+//     at::Tensor forward(const at::Tensor& x) { return x + torch::relu(fc(x)); }
+//     torch::nn::Linear fc{nullptr};
+//   };
+//
 //   class MyTask : public hsdp::train::Task {
 //    public:
 //     std::string Name() const override { return "my-model"; }
-//     absl::Status Build(const BuildContext& ctx) override {
-//       model_ = MyModel(ctx.seed);          // stem, blocks, head
+//     absl::Status Build(const hsdp::train::BuildContext& ctx) override {
+//       model_ = std::make_shared<torch::nn::Module>("MyModel");
+//       for (int i = 0; i < 4; ++i) {
+//         blocks_.emplace_back(model_->register_module(
+//             absl::StrCat("blocks_", i), std::make_shared<BlockImpl>()));
+//       }
+//       head_ = model_->register_module("head", torch::nn::Linear(16, 2));
+//       hsdp::train::InitParameters(*model_, ctx.seed);  // not torch's RNG
 //       return absl::OkStatus();
 //     }
-//     std::shared_ptr<torch::nn::Module> Model() override { return
-//     model_.ptr(); } int NumUnits() const override { return
-//     model_->num_blocks(); } absl::StatusOr<UnitSpec> BuildUnit(int i)
-//     override {
-//       return UnitSpec{absl::StrCat("blocks.", i), {model_->block(i).ptr()}};
+//     std::shared_ptr<torch::nn::Module> Model() override { return model_; }
+//     int NumUnits() const override { return 4; }
+//     absl::StatusOr<hsdp::train::UnitSpec> BuildUnit(int i) override {
+//       return blocks_[i].Spec(absl::StrCat("blocks.", i));
 //     }
-//     void Shard(ShardContext& ctx) override { units_ = &ctx; }
-//     absl::StatusOr<Batch> GetBatch(const BatchRequest& r) override {...}
-//     absl::StatusOr<at::Tensor> Loss(const Batch& batch) override {
-//       at::Tensor x = model_->stem(batch.input);
-//       for (int i = 0; i < NumUnits(); ++i) {
-//         MyBlock block = model_->block(i);  // by value: recompute may rerun
-//         it x = units_->Forward(i, x, [block](const at::Tensor& y) {
-//           return block->forward(y);
-//         });
+//     absl::StatusOr<hsdp::train::Batch> GetBatch(
+//         const hsdp::train::BatchRequest& r) override {
+//       at::Tensor x = torch::empty({r.count, 16});
+//       for (int64_t b = 0; b < r.count; ++b) {  // sample r.first + b
+//         x[b].normal_(0, 1, hsdp::train::SampleGenerator(r.seed, r.step,
+//                                                          r.first + b));
 //       }
-//       return torch::nn::functional::cross_entropy(model_->head(x),
-//                                                   batch.target);
+//       return hsdp::train::Batch{x, (x.sum(1) > 0).to(torch::kLong)};
 //     }
+//     absl::StatusOr<at::Tensor> Loss(const hsdp::train::Batch& batch) override {
+//       at::Tensor h = batch.input;
+//       for (const auto& block : blocks_) h = block(h);  // enters its unit
+//       return torch::nn::functional::cross_entropy(head_(h), batch.target);
+//     }
+//
 //    private:
-//     MyModel model_{nullptr};
-//     ShardContext* units_ = nullptr;
+//     std::shared_ptr<torch::nn::Module> model_;
+//     std::vector<hsdp::train::Unit<BlockImpl>> blocks_;  // unit.h
+//     torch::nn::Linear head_{nullptr};
 //   };
+// clang-format on
 //
 // Units. A unit is a group of modules whose parameters are gathered and freed
 // together (FSDP2's fully_shard). NumUnits() units, in forward order, are
@@ -66,8 +86,24 @@
 // passed to ShardContext::Forward may run again during backward (activation
 // recompute), on the autograd thread while the training thread waits in
 // backward(): capture by value what they need. Loss() is not a collective, but
-// the unit Forwards it makes are: every rank must enter the same units in the
-// same order.
+// the unit Forwards it makes are; the engine keeps every rank's collectives
+// the same as long as the rules below hold.
+//
+// Parameters without a gradient (mixture of experts, conditional branches).
+// What a rank's data routes where may differ between ranks; the engine runs
+// the same collectives everywhere and gives each parameter the gradient
+// single-process training gives it:
+//  - A parameter with no gradient on this rank is reduced with zeros, so it
+//    gets the average over every rank's samples; its grad stays undefined (the
+//    optimizer skips it) only when no rank had one in the whole step.
+//  - Enter units, each for the first time in a forward, in unit order. A unit
+//    may be skipped (an expert unit with no tokens on this rank): it still
+//    costs its gather and a reduction of zeros, never a hang. Entering a unit
+//    after a later one fails the step, naming both.
+//  - A unit may be entered several times in one forward (one weight used at
+//    several depths), the same number of times on every rank: gathered once
+//    while it stays unsharded, its gradients summed over the calls and reduced
+//    once.
 //
 // Errors. Return absl::Status; never throw (the runner still converts a stray
 // c10::Error into a status). The runner reserves ABORTED and UNAVAILABLE for
@@ -115,11 +151,28 @@ struct BuildContext {
   uint64_t seed = 0;
 };
 
+class ShardContext;
+
+// Where a Unit<> wrapper (unit.h) enters its unit: the runner sets it once
+// the unit is sharded (or in the reference) and clears it when that context
+// goes away. Tasks that enter units through ShardContext::Forward ignore it.
+struct UnitBinding {
+  ShardContext* context = nullptr;
+  int index = -1;
+};
+
 // One unit: its name in the job's unit list ("layers.3"; not "root") and its
 // modules, all registered under Task::Model().
 struct UnitSpec {
   std::string name;
   std::vector<std::shared_ptr<torch::nn::Module>> modules;
+  // false: backward through the unit never reads its parameters (an
+  // embedding table), so it is not gathered again for backward. Wrong for a
+  // unit whose backward reads its weights (any Linear): see
+  // fsdp::UnitOptions::unshard_in_backward.
+  bool unshard_in_backward = true;
+  // Set by Unit<>::Spec (unit.h); null otherwise.
+  std::shared_ptr<UnitBinding> binding = nullptr;
 };
 
 // Samples [first, first + count) of step `step`'s global batch. Sample indices
@@ -185,8 +238,10 @@ class Task {
   // every unit in Build()).
   virtual void ReleaseUnit(int /*index*/) {}
 
-  // After sharding (and in the reference): keep `context` to enter units.
-  virtual void Shard(ShardContext& context) = 0;
+  // After sharding (and in the reference): keep `context` to enter units
+  // through ShardContext::Forward. Tasks whose units are Unit<> wrappers
+  // (unit.h) need not override it.
+  virtual void Shard(ShardContext& /*context*/) {}
 
   // The samples of one microbatch: a pure function of the request.
   virtual absl::StatusOr<Batch> GetBatch(const BatchRequest& request) = 0;

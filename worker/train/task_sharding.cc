@@ -110,7 +110,9 @@ absl::StatusOr<std::vector<fsdp::UnitInfo>> DescribeTaskUnits(
 
 absl::StatusOr<std::unique_ptr<fsdp::Engine>> ShardTask(
     Task& task, fsdp::MeshComms comms, const fsdp::EngineOptions& options,
-    const std::vector<fsdp::UnitInfo>& described) {
+    const std::vector<fsdp::UnitInfo>& described,
+    std::vector<std::shared_ptr<UnitBinding>>* bindings) {
+  if (bindings != nullptr) bindings->clear();
   std::shared_ptr<torch::nn::Module> root = task.Model();
   root->to(options.device);
   HSDP_ASSIGN_OR_RETURN(std::unique_ptr<fsdp::Engine> engine,
@@ -120,7 +122,11 @@ absl::StatusOr<std::unique_ptr<fsdp::Engine>> ShardTask(
     HSDP_ASSIGN_OR_RETURN(UnitSpec spec, task.BuildUnit(i));
     HSDP_RETURN_IF_ERROR(CheckUnitSpec(spec, i, unit_names));
     for (const auto& m : spec.modules) m->to(options.device);
-    HSDP_RETURN_IF_ERROR(engine->FullyShard(spec.modules, spec.name).status());
+    if (bindings != nullptr) bindings->push_back(spec.binding);
+    fsdp::UnitOptions unit_options;
+    unit_options.unshard_in_backward = spec.unshard_in_backward;
+    HSDP_RETURN_IF_ERROR(
+        engine->FullyShard(spec.modules, spec.name, unit_options).status());
   }
   HSDP_RETURN_IF_ERROR(engine->FullyShardRoot());
   const std::vector<fsdp::UnitInfo> built = engine->Units();
@@ -135,11 +141,17 @@ absl::StatusOr<std::unique_ptr<fsdp::Engine>> ShardTask(
   return engine;
 }
 
-absl::Status BuildAllUnits(Task& task, const c10::Device& device) {
+absl::Status BuildAllUnits(Task& task, const c10::Device& device,
+                           std::vector<std::shared_ptr<UnitBinding>>* bindings,
+                           std::vector<std::string>* names) {
+  if (bindings != nullptr) bindings->clear();
+  if (names != nullptr) names->clear();
   std::set<std::string> unit_names;
   for (int i = 0; i < task.NumUnits(); ++i) {
     HSDP_ASSIGN_OR_RETURN(UnitSpec spec, task.BuildUnit(i));
     HSDP_RETURN_IF_ERROR(CheckUnitSpec(spec, i, unit_names));
+    if (bindings != nullptr) bindings->push_back(spec.binding);
+    if (names != nullptr) names->push_back(spec.name);
   }
   task.Model()->to(device);
   return absl::OkStatus();

@@ -29,13 +29,20 @@ absl::StatusOr<std::vector<fsdp::UnitInfo>> DescribeTaskUnits(
 // and shards each unit as soon as it exists, then the root. INTERNAL when the
 // result differs from `described` (the task built different units the second
 // time).
+// `bindings` (optional) gets each unit's UnitSpec::binding (null where the
+// task gave none), for UnitBindings::Bind.
 absl::StatusOr<std::unique_ptr<fsdp::Engine>> ShardTask(
     Task& task, fsdp::MeshComms comms, const fsdp::EngineOptions& options,
-    const std::vector<fsdp::UnitInfo>& described);
+    const std::vector<fsdp::UnitInfo>& described,
+    std::vector<std::shared_ptr<UnitBinding>>* bindings = nullptr);
 
 // Builds every unit (nothing sharded) and moves the model to `device`: the
 // reference's model.
-absl::Status BuildAllUnits(Task& task, const c10::Device& device);
+// `names` (optional) gets the units' names.
+absl::Status BuildAllUnits(
+    Task& task, const c10::Device& device,
+    std::vector<std::shared_ptr<UnitBinding>>* bindings = nullptr,
+    std::vector<std::string>* names = nullptr);
 
 }  // namespace hsdp::train
 

@@ -1,0 +1,303 @@
+// A new task's likeliest mistakes, each a small task: refused in one line that
+// says what is wrong (and names the unit where there is one), or trained
+// correctly where hsdp supports the pattern; never a LibTorch internal and
+// never a silent wrong number. Each runs sharded (1x2, RunTask threads under
+// an in-process coordinator) and through RunReference.
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "coordinator/server.h"
+#include "gtest/gtest.h"
+#include "worker/train/runner.h"
+#include "worker/train/task.h"
+#include "worker/train/unit.h"
+
+namespace hsdp::train {
+namespace {
+
+constexpr int kWorld = 2;
+constexpr int kSteps = 3;
+constexpr int64_t kFeatures = 6;
+constexpr int64_t kClasses = 3;
+
+enum class Misuse {
+  kNone,
+  kDirectCall,          // blocks[1]->forward(x): bypasses its unit
+  kWrongOrder,          // blocks[1] entered before blocks[0]
+  kSkipped,             // blocks[1] never entered: supported
+  kTwice,               // blocks[0] entered twice: supported
+  kUnregisteredModule,  // a Linear built but not registered
+  kUnregisteredTensor,  // a requires_grad tensor not registered
+  kNonScalarLoss,
+  kNondeterministicBatch,
+};
+
+class BlockImpl : public torch::nn::Module {
+ public:
+  BlockImpl() {
+    fc = register_module("fc", torch::nn::Linear(kFeatures, kFeatures));
+  }
+  at::Tensor forward(const at::Tensor& x) { return x + torch::tanh(fc(x)); }
+  torch::nn::Linear fc{nullptr};
+};
+
+class MisuseTask : public Task {
+ public:
+  explicit MisuseTask(Misuse misuse) : misuse_(misuse) {}
+  std::string Name() const override { return "misuse"; }
+  absl::Status Build(const BuildContext& context) override {
+    torch::manual_seed(static_cast<int64_t>(context.seed));
+    model_ = std::make_shared<torch::nn::Module>("Misuse");
+    stem_ = model_->register_module("stem",
+                                    torch::nn::Linear(kFeatures, kFeatures));
+    for (int i = 0; i < 2; ++i) {
+      blocks_.emplace_back(model_->register_module(
+          absl::StrCat("blocks_", i), std::make_shared<BlockImpl>()));
+    }
+    head_ =
+        model_->register_module("head", torch::nn::Linear(kFeatures, kClasses));
+    extra_ = torch::nn::Linear(kFeatures, kFeatures);  // never registered
+    scale_ = torch::ones({kFeatures}).requires_grad_();
+    return absl::OkStatus();
+  }
+  std::shared_ptr<torch::nn::Module> Model() override { return model_; }
+  int NumUnits() const override { return 2; }
+  absl::StatusOr<UnitSpec> BuildUnit(int index) override {
+    return blocks_.at(index).Spec(absl::StrCat("blocks.", index));
+  }
+  absl::StatusOr<Batch> GetBatch(const BatchRequest& r) override {
+    at::Tensor x = torch::empty({r.count, kFeatures});
+    at::Tensor y = torch::empty({r.count}, torch::kLong);
+    for (int64_t b = 0; b < r.count; ++b) {
+      const int64_t s = r.first + b + 7 * r.step;
+      for (int64_t f = 0; f < kFeatures; ++f)
+        x[b][f] = static_cast<float>(((s * 5 + f * 3) % 11) - 5) / 5.0f;
+      y[b] = s % kClasses;
+    }
+    if (misuse_ == Misuse::kNondeterministicBatch) x += 0.01 * ++calls_;
+    return Batch{x, y};
+  }
+  absl::StatusOr<at::Tensor> Loss(const Batch& batch) override {
+    at::Tensor x = stem_(batch.input);
+    switch (misuse_) {
+      case Misuse::kDirectCall:
+        x = blocks_[0](x);
+        x = blocks_[1]->forward(x);
+        break;
+      case Misuse::kWrongOrder:
+        x = blocks_[1](x);
+        x = blocks_[0](x);
+        break;
+      case Misuse::kSkipped:
+        x = blocks_[0](x);
+        break;
+      case Misuse::kTwice:
+        x = blocks_[0](x);
+        x = blocks_[0](x);
+        x = blocks_[1](x);
+        break;
+      case Misuse::kUnregisteredModule:
+        x = extra_(blocks_[1](blocks_[0](x)));
+        break;
+      case Misuse::kUnregisteredTensor:
+        x = blocks_[1](blocks_[0](x)) * scale_;
+        break;
+      default:
+        x = blocks_[1](blocks_[0](x));
+    }
+    namespace F = torch::nn::functional;
+    at::Tensor loss =
+        misuse_ == Misuse::kNonScalarLoss
+            ? F::cross_entropy(
+                  head_(x), batch.target,
+                  F::CrossEntropyFuncOptions().reduction(torch::kNone))
+            : F::cross_entropy(head_(x), batch.target);
+    return loss;
+  }
+
+ private:
+  const Misuse misuse_;
+  int calls_ = 0;
+  std::shared_ptr<torch::nn::Module> model_;
+  torch::nn::Linear stem_{nullptr}, head_{nullptr}, extra_{nullptr};
+  std::vector<Unit<BlockImpl>> blocks_;
+  at::Tensor scale_;
+};
+
+TrainingOptions Training() {
+  TrainingOptions t;
+  t.steps = kSteps;
+  t.microbatch_size = 2;
+  t.seed = 3;
+  t.optimizer.kind = OptimizerKind::kSgd;
+  t.optimizer.lr = 0.1;
+  return t;
+}
+
+std::string FreshFile(const std::string& name) {
+  const std::string path =
+      absl::StrCat(::testing::TempDir(), "/", getpid(), "-", name);
+  std::remove(path.c_str());
+  return path;
+}
+
+std::vector<double> Losses(const std::string& path) {
+  std::ifstream in(path);
+  std::vector<double> out;
+  std::string line;
+  while (std::getline(in, line)) {
+    const size_t at = line.find("\"loss\":");
+    if (at == std::string::npos) continue;
+    double v = 0;
+    const size_t begin = at + 7;
+    if (absl::SimpleAtod(
+            line.substr(begin, line.find_first_of(",}", begin) - begin), &v))
+      out.push_back(v);
+  }
+  return out;
+}
+
+struct Outcome {
+  absl::Status sharded;  // rank 0's
+  absl::Status reference;
+  std::vector<double> sharded_losses;
+  std::vector<double> reference_losses;
+};
+
+Outcome RunMisuse(Misuse misuse, const std::string& name,
+                  TrainingOptions training = Training()) {
+  unsetenv("HSDP_JOB_TOKEN");
+  unsetenv("HSDP_JOB_TOKEN_FILE");
+  Outcome out;
+  const std::string job_id = absl::StrCat("misuse-", name);
+  coordinator::JobConfig job;
+  job.job_id = job_id;
+  job.world_size = kWorld;
+  job.mesh = MeshShape{1, kWorld};
+  coordinator::ServerOptions server_options;
+  server_options.listen = "127.0.0.1:0";
+  server_options.sync_state = false;
+  auto server = coordinator::CoordinatorServer::Start(job, server_options);
+  EXPECT_TRUE(server.ok()) << server.status();
+  if (!server.ok()) return out;
+  std::vector<absl::Status> results(kWorld);
+  std::vector<std::thread> ranks;
+  const std::string report = FreshFile(absl::StrCat(job_id, "-0.jsonl"));
+  for (int r = 0; r < kWorld; ++r) {
+    WorkerOptions w;
+    w.training = training;
+    if (r == 0) w.process.report_file = report;
+    w.coordinator = (*server)->address();
+    w.job_id = job_id;
+    w.rank_hint = r;
+    w.gloo_hostname = "127.0.0.1";
+    w.shared_memory = false;
+    w.collective_timeout = absl::Seconds(20);
+    w.coordinator_timeout = absl::Seconds(20);
+    ranks.emplace_back([w, r, misuse, &results] {
+      results[r] = RunTask(std::make_unique<MisuseTask>(misuse), w);
+    });
+  }
+  for (std::thread& t : ranks) t.join();
+  (*server)->Shutdown();
+  out.sharded = results[0];
+  out.sharded_losses = Losses(report);
+  ReferenceOptions ref;
+  ref.training = training;
+  ref.world_size = kWorld;
+  ref.process.report_file = FreshFile(absl::StrCat(job_id, "-ref.jsonl"));
+  out.reference = RunReference(std::make_unique<MisuseTask>(misuse), ref);
+  out.reference_losses = Losses(ref.process.report_file);
+  return out;
+}
+
+void ExpectRefused(const absl::Status& s, const std::string& needle) {
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_NE(s.message().find(needle), std::string::npos) << s;
+  EXPECT_EQ(s.message().find('\n'), std::string::npos) << s;
+}
+
+void ExpectMatchesReference(const Outcome& o) {
+  ASSERT_TRUE(o.sharded.ok()) << o.sharded;
+  ASSERT_TRUE(o.reference.ok()) << o.reference;
+  ASSERT_EQ(o.sharded_losses.size(), static_cast<size_t>(kSteps));
+  ASSERT_EQ(o.reference_losses.size(), static_cast<size_t>(kSteps));
+  for (int s = 0; s < kSteps; ++s)
+    EXPECT_NEAR(o.sharded_losses[s], o.reference_losses[s], 1e-6) << s;
+}
+
+TEST(TaskMisuseTest, CorrectTaskMatchesItsReference) {
+  ExpectMatchesReference(RunMisuse(Misuse::kNone, "none"));
+}
+
+TEST(TaskMisuseTest, DirectCallNamesTheUnit) {
+  const Outcome o = RunMisuse(Misuse::kDirectCall, "direct");
+  ExpectRefused(o.sharded, "most likely unit blocks.1");
+  // Unsharded, the call works: the reference cannot tell.
+  EXPECT_TRUE(o.reference.ok()) << o.reference;
+}
+
+TEST(TaskMisuseTest, WrongOrderNamesBothUnits) {
+  const Outcome o = RunMisuse(Misuse::kWrongOrder, "order");
+  ExpectRefused(o.sharded, "unit blocks.0 was entered after unit blocks.1");
+}
+
+TEST(TaskMisuseTest, SkippedUnitTrainsCorrectly) {
+  ExpectMatchesReference(RunMisuse(Misuse::kSkipped, "skipped"));
+}
+
+TEST(TaskMisuseTest, UnitEnteredTwiceTrainsCorrectly) {
+  ExpectMatchesReference(RunMisuse(Misuse::kTwice, "twice"));
+}
+
+TEST(TaskMisuseTest, UnregisteredSubmoduleIsRefused) {
+  const Outcome o = RunMisuse(Misuse::kUnregisteredModule, "module");
+  ExpectRefused(o.sharded, "not a parameter registered under Task::Model()");
+  ExpectRefused(o.reference, "not a parameter registered under Task::Model()");
+}
+
+TEST(TaskMisuseTest, UnregisteredTensorIsRefused) {
+  const Outcome o = RunMisuse(Misuse::kUnregisteredTensor, "tensor");
+  ExpectRefused(o.sharded, "a tensor of shape [6]");
+  ExpectRefused(o.reference, "a tensor of shape [6]");
+}
+
+TEST(TaskMisuseTest, NonScalarLossIsRefused) {
+  const Outcome o = RunMisuse(Misuse::kNonScalarLoss, "nonscalar");
+  for (const absl::Status& s : {o.sharded, o.reference}) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_NE(s.message().find("a scalar"), std::string::npos) << s;
+  }
+}
+
+TEST(TaskMisuseTest, NondeterministicBatchIsRefused) {
+  const Outcome o = RunMisuse(Misuse::kNondeterministicBatch, "batch");
+  ExpectRefused(o.sharded, "pure function of the request");
+  ExpectRefused(o.reference, "pure function of the request");
+}
+
+TEST(TaskMisuseTest, RecomputeGlobMatchingNoUnitIsRefused) {
+  TrainingOptions t = Training();
+  t.recompute_units = "layers.*";
+  const Outcome o = RunMisuse(Misuse::kNone, "glob", t);
+  for (const absl::Status& s : {o.sharded, o.reference}) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_NE(s.message().find("--recompute-units 'layers.*' matches none"),
+              std::string::npos)
+        << s;
+    EXPECT_NE(s.message().find("blocks.0, blocks.1"), std::string::npos) << s;
+  }
+}
+
+}  // namespace
+}  // namespace hsdp::train
