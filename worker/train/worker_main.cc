@@ -74,6 +74,7 @@ int WorkerMain(int argc, char** argv, const TaskFactory& factory) {
   double weight_decay = -1;
   bool reference = false;
   std::string optimizer = "adamw", lr_schedule = "constant";
+  std::string on_nonfinite = "stop";
   std::vector<std::string> task_options;
   std::string units;
 
@@ -162,6 +163,12 @@ int WorkerMain(int argc, char** argv, const TaskFactory& factory) {
   app.add_option("--clip-grad-norm", t.clip_grad_norm,
                  "clip the global gradient norm to this (0: off)")
       ->envname("HSDP_CLIP_GRAD_NORM");
+  app.add_option("--on-nonfinite", on_nonfinite,
+                 "a step whose loss (or clipped gradient norm) is NaN or "
+                 "infinite: stop (the job fails naming the step, rank and "
+                 "microbatch) or skip-step (every rank drops the step's "
+                 "gradients)")
+      ->envname("HSDP_ON_NONFINITE");
   app.add_option("--checkpoint-dir", w.checkpoint_dir,
                  "sharded checkpoints; resume from here")
       ->envname("HSDP_CHECKPOINT_DIR");
@@ -200,7 +207,8 @@ int WorkerMain(int argc, char** argv, const TaskFactory& factory) {
       "--reference", reference,
       "train unsharded in this process on the global batches of a sharded run");
   app.add_option("--world-size", world_size,
-                 "--reference: world size mirrored");
+                 "--reference (required): world size of the sharded run "
+                 "mirrored");
   app.add_option("--microbatches", microbatches,
                  "--reference: microbatches per step");
   try {
@@ -233,6 +241,19 @@ int WorkerMain(int argc, char** argv, const TaskFactory& factory) {
                               "' is not constant or cosine"));
   }
   t.lr_schedule.cosine = lr_schedule == "cosine";
+  if (absl::StatusOr<NonFiniteAction> action =
+          ParseNonFiniteAction(on_nonfinite);
+      action.ok()) {
+    t.on_nonfinite = *action;
+  } else {
+    return usage(std::string(action.status().message()));
+  }
+  if (reference && app.count("--world-size") == 0) {
+    // The default of 1 would silently mirror a one-rank run.
+    return usage(
+        "--reference needs --world-size N: the world size of the sharded run "
+        "it mirrors (and --microbatches M unless 1)");
+  }
   if (app.count("--weight-decay") > 0 || Env("HSDP_WEIGHT_DECAY") != nullptr) {
     t.optimizer.weight_decay = weight_decay;
   }
@@ -256,6 +277,7 @@ int WorkerMain(int argc, char** argv, const TaskFactory& factory) {
     ReferenceOptions ref;
     ref.training = t;
     ref.process = w.process;
+    ref.task_args = w.task_args;
     ref.world_size = world_size;
     ref.microbatches = microbatches;
     absl::Status s = RunReference(std::move(*task), ref);
