@@ -48,6 +48,7 @@ endif()
 # The headers a user includes; everything of ours they include is installed with them.
 set(HSDP_PUBLIC_HEADERS
   worker/train/task.h
+  worker/train/task_options.h
   worker/train/runner.h
   worker/train/worker_main.h
   worker/fsdp/fully_shard.h
