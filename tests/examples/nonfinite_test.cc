@@ -64,7 +64,7 @@ class PoisonedTask : public hsdp::train::Task {
  public:
   PoisonedTask() {
     absl::StatusOr<std::unique_ptr<ResNetTask>> task =
-        ResNetTask::Create(Args());
+        ResNetTask::Create(Args().options);
     EXPECT_TRUE(task.ok()) << task.status();
     if (task.ok()) inner_ = std::move(*task);
   }
