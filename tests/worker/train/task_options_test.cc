@@ -63,8 +63,7 @@ TEST(TaskOptionsTest, UnknownOrMistypedOptionsAreRefusedNamingThem) {
           {{{"dropout", "1.5"}},
            "--task-option dropout=1.5: want a finite number in [0, 1]"},
           {{{"dropout", "nan"}}, "--task-option dropout=nan"},
-          {{{"bias", "maybe"}},
-           "--task-option bias=maybe: want true or false"},
+          {{{"bias", "maybe"}}, "--task-option bias=maybe: want true or false"},
       };
   for (const auto& [given, needle] : cases) {
     absl::StatusOr<TaskOptionValues> v = Spec().Parse(given);
@@ -90,8 +89,8 @@ TaskDefinition Definition() {
   d.name = "toy";
   d.description = "a toy model for the tests";
   d.options = Spec();
-  d.make = [](const TaskOptionValues&)
-      -> absl::StatusOr<std::unique_ptr<Task>> {
+  d.make =
+      [](const TaskOptionValues&) -> absl::StatusOr<std::unique_ptr<Task>> {
     return absl::UnimplementedError("not built in this test");
   };
   return d;
@@ -144,8 +143,8 @@ TEST(WorkerMainDefinitionTest, BadOptionsAndGptFlagsAreRefusedInOneLine) {
   EXPECT_EQ(r.code, kExitUsage);
   EXPECT_TRUE(absl::StrContains(r.err, "--dims")) << r.err;
   // Valid options reach the task's factory, whose error ends the run.
-  r = Main({"--task-option", "channels=16", "--reference", "--world-size",
-            "1"});
+  r = Main(
+      {"--task-option", "channels=16", "--reference", "--world-size", "1"});
   EXPECT_EQ(r.code, 1);
   EXPECT_TRUE(absl::StrContains(r.err, "not built in this test")) << r.err;
 }
