@@ -2,8 +2,8 @@
 # exists).
 #
 # Installs under CMAKE_INSTALL_PREFIX:
-#   bin/      hsdp-coordinator, hsdp-worker, hsdpctl, hsdp-launch, hsdp-ckpt (hsdp-launch finds the
-#             coordinator next to itself; --worker-binary launches a user's worker instead)
+#   bin/      hsdp-coordinator, hsdp-worker, hsdpctl, hsdp-launch, hsdp-ckpt, hsdp-compare (hsdp-launch
+#             finds the coordinator next to itself; --worker-binary launches a user's worker instead)
 #   include/  the public headers (the closure of HSDP_PUBLIC_HEADERS below over the project's own
 #             #include "..." lines) and the generated hsdp/v1/*.pb.h
 #   lib/      the static libraries, and lib/cmake/hsdp/ with hsdpConfig.cmake,
@@ -50,6 +50,7 @@ set(HSDP_PUBLIC_HEADERS
   worker/train/task.h
   worker/train/unit.h
   worker/train/task_util.h
+  worker/train/task_options.h
   worker/train/runner.h
   worker/train/worker_main.h
   worker/fsdp/fully_shard.h
@@ -96,7 +97,7 @@ install(TARGETS ${_hsdp_export_targets}
 
 set(_hsdp_binaries hsdp-coordinator hsdpctl)
 if(HSDP_BUILD_WORKER)
-  list(APPEND _hsdp_binaries hsdp-worker hsdp-launch hsdp-ckpt)
+  list(APPEND _hsdp_binaries hsdp-worker hsdp-launch hsdp-ckpt hsdp-compare)
 endif()
 # Shared libraries linked from outside the system's directories (e.g. NCCL under /usr/local/cuda)
 # stay findable from the installed binaries.

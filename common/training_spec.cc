@@ -6,9 +6,11 @@
 #include <google/protobuf/util/field_comparator.h>
 #include <google/protobuf/util/message_differencer.h>
 
+#include <set>
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
@@ -101,6 +103,13 @@ class FirstDifference : public MessageDifferencer::Reporter {
 
 absl::Status CompareTrainingSpecs(const hsdp::v1::TrainingSpec& got,
                                   const hsdp::v1::TrainingSpec& want) {
+  return CompareTrainingSpecs(got, want, "this worker", "the job");
+}
+
+absl::Status CompareTrainingSpecs(const hsdp::v1::TrainingSpec& got,
+                                  const hsdp::v1::TrainingSpec& want,
+                                  const std::string& got_label,
+                                  const std::string& want_label) {
   MessageDifferencer differencer;
   FirstDifference first;
   differencer.ReportDifferencesTo(&first);
@@ -109,23 +118,27 @@ absl::Status CompareTrainingSpecs(const hsdp::v1::TrainingSpec& got,
     return absl::FailedPreconditionError(
         "training settings differ from the job's");
   }
-  if (first.path() == "task_options") {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "training setting task_options differs: this worker has {",
-        absl::StrReplaceAll(
-            FieldValue(got,
-                       got.GetDescriptor()->FindFieldByName("task_options")),
-            {{"\n", " "}}),
-        "}, the job has {",
-        absl::StrReplaceAll(
-            FieldValue(want,
-                       want.GetDescriptor()->FindFieldByName("task_options")),
-            {{"\n", " "}}),
-        "}"));
+  if (absl::StartsWith(first.path(), "task_options")) {
+    // Name the first key (in order) whose value differs or is on one side.
+    const auto& a = got.task_options();
+    const auto& b = want.task_options();
+    std::set<std::string> keys;
+    for (const auto& [k, v] : a) keys.insert(k);
+    for (const auto& [k, v] : b) keys.insert(k);
+    for (const std::string& k : keys) {
+      auto x = a.find(k);
+      auto y = b.find(k);
+      const std::string vx = x == a.end() ? "(unset)" : x->second;
+      const std::string vy = y == b.end() ? "(unset)" : y->second;
+      if (vx == vy) continue;
+      return absl::FailedPreconditionError(absl::StrCat(
+          "training setting task_options.", k, " differs: ", got_label, " has ",
+          vx, ", ", want_label, " has ", vy));
+    }
   }
   return absl::FailedPreconditionError(absl::StrCat(
-      "training setting ", first.path(), " differs: this worker has ",
-      first.got(), ", the job has ", first.want()));
+      "training setting ", first.path(), " differs: ", got_label, " has ",
+      first.got(), ", ", want_label, " has ", first.want()));
 }
 
 std::string DescribeTrainingSpec(const hsdp::v1::TrainingSpec& spec) {

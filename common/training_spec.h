@@ -16,6 +16,13 @@ namespace hsdp {
 absl::Status CompareTrainingSpecs(const hsdp::v1::TrainingSpec& got,
                                   const hsdp::v1::TrainingSpec& want);
 
+// The same, with the sides named `got_label` and `want_label` in the message
+// instead of "this worker" and "the job" (e.g. "the run", "the reference").
+absl::Status CompareTrainingSpecs(const hsdp::v1::TrainingSpec& got,
+                                  const hsdp::v1::TrainingSpec& want,
+                                  const std::string& got_label,
+                                  const std::string& want_label);
+
 // One line per set field ("optimizer.lr: 0.003"), for status displays.
 std::string DescribeTrainingSpec(const hsdp::v1::TrainingSpec& spec);
 

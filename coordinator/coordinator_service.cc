@@ -231,6 +231,14 @@ grpc::Status CoordinatorServiceImpl::ReportFailure(
     hsdp::v1::ReportFailureResponse* response) {
   return Serve(*context, [&]() -> absl::Status {
     HSDP_RETURN_IF_ERROR(core_.membership->CheckJobId(request->job_id()));
+    if (request->fatal()) {
+      HSDP_ASSIGN_OR_RETURN(
+          const bool failed,
+          core_.membership->FailJob(request->worker_id(), request->step(),
+                                    request->detail()));
+      response->set_ended(failed);
+      return absl::OkStatus();
+    }
     HSDP_ASSIGN_OR_RETURN(bool ended,
                           core_.membership->ReportFailure(
                               request->worker_id(), request->generation(),

@@ -289,6 +289,14 @@ class Membership {
                                      int64_t step, const std::string& detail)
       ABSL_LOCKS_EXCLUDED(mu_);
 
+  // A worker met an error no new generation would get past (a non-finite
+  // loss): the job is FAILED with `reason` (the first reason is kept), its
+  // generation ends, and no other forms. Returns whether this call failed the
+  // job. Any live worker may report, member or not.
+  absl::StatusOr<bool> FailJob(int64_t worker_id, int64_t step,
+                               const std::string& reason)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
   // The long poll of CommitStep: OK once every member voted for `step`,
   // ABORTED when the generation ended first, DEADLINE_EXCEEDED at
   // `deadline` (vote again), UNAVAILABLE after Shutdown() or when the commit

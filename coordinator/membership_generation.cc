@@ -402,6 +402,26 @@ absl::StatusOr<bool> Membership::ReportFailure(int64_t worker_id,
   return true;
 }
 
+absl::StatusOr<bool> Membership::FailJob(int64_t worker_id, int64_t step,
+                                         const std::string& reason) {
+  absl::MutexLock lock(&mu_);
+  absl::StatusOr<Worker*> found = FindLiveLocked(worker_id);
+  if (!found.ok()) return found.status();
+  if (!failed_message_.empty()) return false;
+  Worker* w = *found;
+  AddEventLocked(*w, hsdp::v1::WORKER_EVENT_KIND_REPORTED_FAILURE, reason);
+  // Set before the generation ends, so that no next generation forms.
+  failed_message_ = reason;
+  const int rank = RankOfLocked(worker_id);
+  EndLocked(hsdp::v1::FAILURE_CAUSE_REPORTED,
+            absl::StrCat("worker ", worker_id, " (rank ", rank, ") at step ",
+                         step, ": ", reason),
+            worker_id, options_.clock->Now(), /*at_boundary=*/false);
+  (void)PersistLocked();  // EndLocked does not when no generation was active
+  changed_.SignalAll();
+  return true;
+}
+
 absl::Status Membership::PersistCommitLocked() {
   if (store_ == nullptr) return absl::OkStatus();
   state::CommitPoint point;

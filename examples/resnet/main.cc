@@ -1,17 +1,9 @@
-// resnet-worker: an hsdp worker binary for the example ResNet. It takes every
-// hsdp-worker flag (WorkerMain), so hsdp-launch runs it with
-// --worker-binary, and --reference trains it unsharded in this process.
+// resnet-worker: an hsdp worker binary for the example ResNet. It takes the
+// runner's flags (WorkerMain) and the task's typed options, so hsdp-launch runs
+// it with --worker-binary, and --reference trains it unsharded in this process.
 #include "resnet_task.h"
 #include "worker/train/worker_main.h"
 
 int main(int argc, char** argv) {
-  return hsdp::train::WorkerMain(
-      argc, argv,
-      [](const hsdp::train::TaskArgs& args)
-          -> absl::StatusOr<std::unique_ptr<hsdp::train::Task>> {
-        absl::StatusOr<std::unique_ptr<resnet::ResNetTask>> task =
-            resnet::ResNetTask::Create(args);
-        if (!task.ok()) return task.status();
-        return std::unique_ptr<hsdp::train::Task>(std::move(*task));
-      });
+  return hsdp::train::WorkerMain(argc, argv, resnet::ResNetTask::Definition());
 }

@@ -5,7 +5,6 @@
 #include <map>
 #include <utility>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 
 namespace resnet {
@@ -14,61 +13,53 @@ namespace {
 // Largest accepted value of each shape option: an example, not a benchmark.
 constexpr int64_t kMaxOption = 4096;
 
-absl::Status ReadOption(const std::map<std::string, std::string>& options,
-                        const std::string& key, int64_t* value) {
-  auto it = options.find(key);
-  if (it == options.end()) return absl::OkStatus();
-  if (!absl::SimpleAtoi(it->second, value) || *value <= 0 ||
-      *value > kMaxOption) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--task-option ", key, "=", it->second,
-                     ": want an integer in [1, ", kMaxOption, "]"));
-  }
-  return absl::OkStatus();
-}
-
 }  // namespace
 
+hsdp::train::TaskOptionSpec ResNetTask::Options() {
+  const ResNetConfig d;
+  hsdp::train::TaskOptionSpec spec;
+  spec.Int("channels", d.channels, "width of every block", 1, kMaxOption)
+      .Int("blocks", d.blocks, "residual blocks (units)", 1, kMaxOption)
+      .Int("image_size", d.image_size, "image height and width", 1, kMaxOption)
+      .Int("classes", d.classes, "classes of the synthetic labels", 1,
+           kMaxOption)
+      .Int("groups", d.groups, "GroupNorm groups (must divide channels)", 1,
+           kMaxOption);
+  return spec;
+}
+
+hsdp::train::TaskDefinition ResNetTask::Definition() {
+  return {kModelName, "A small ResNet on synthetic images.", Options(),
+          [](const hsdp::train::TaskOptionValues& options)
+              -> absl::StatusOr<std::unique_ptr<hsdp::train::Task>> {
+            absl::StatusOr<std::unique_ptr<ResNetTask>> task = Create(options);
+            if (!task.ok()) return task.status();
+            return std::unique_ptr<hsdp::train::Task>(std::move(*task));
+          }};
+}
+
 absl::StatusOr<std::unique_ptr<ResNetTask>> ResNetTask::Create(
-    const hsdp::train::TaskArgs& args) {
-  if (!args.model.empty() && args.model != kModelName) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--model ", args.model, ": this worker trains only ", kModelName));
-  }
-  if (!args.data.empty()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--data ", args.data,
-                     ": the resnet example trains on synthetic images"));
-  }
-  if (!args.dims.empty()) {
-    return absl::InvalidArgumentError(
-        "--dims: the resnet example takes its shape from --task-option");
-  }
+    const hsdp::train::TaskOptionValues& options) {
   ResNetConfig config;
-  const std::map<std::string, int64_t*> known = {
-      {"channels", &config.channels},
-      {"blocks", &config.blocks},
-      {"image_size", &config.image_size},
-      {"classes", &config.classes},
-      {"groups", &config.groups}};
-  for (const auto& [key, value] : args.options) {
-    auto it = known.find(key);
-    if (it == known.end()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--task-option ", key,
-                       ": the resnet example knows channels, blocks, "
-                       "image_size, classes and groups"));
-    }
-    if (absl::Status s = ReadOption(args.options, key, it->second); !s.ok()) {
-      return s;
-    }
-  }
+  config.channels = options.GetInt("channels");
+  config.blocks = options.GetInt("blocks");
+  config.image_size = options.GetInt("image_size");
+  config.classes = options.GetInt("classes");
+  config.groups = options.GetInt("groups");
   if (config.channels % config.groups != 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("--task-option groups=", config.groups,
                      ": must divide channels=", config.channels));
   }
   return std::unique_ptr<ResNetTask>(new ResNetTask(config));
+}
+
+absl::StatusOr<std::unique_ptr<ResNetTask>> ResNetTask::Create(
+    const std::map<std::string, std::string>& options) {
+  absl::StatusOr<hsdp::train::TaskOptionValues> values =
+      Options().Parse(options);
+  if (!values.ok()) return values.status();
+  return Create(*values);
 }
 
 absl::Status ResNetTask::Build(const hsdp::train::BuildContext& context) {

@@ -3,13 +3,14 @@
 // ("blocks.0", "blocks.1", ...), and block i is constructed only in
 // BuildUnit(i), so a rank holds one block's full parameters at a time.
 //
-// --model resnet (or empty). Settings, as --task-option KEY=VALUE (every rank
-// must pass the same): channels (8), blocks (3), image_size (8), classes (4),
-// groups (2, GroupNorm groups; must divide channels). --data and --dims are
-// refused: the data is synthetic and the shape comes from the options.
+// Settings, as --task-option NAME=VALUE (every rank must pass the same;
+// Options() declares their types, defaults and ranges, and resnet-worker
+// --help lists them): channels (8), blocks (3), image_size (8), classes (4),
+// groups (2, GroupNorm groups; must divide channels).
 #ifndef HSDP_EXAMPLES_RESNET_RESNET_TASK_H_
 #define HSDP_EXAMPLES_RESNET_RESNET_TASK_H_
 
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -19,6 +20,7 @@
 #include "synthetic_images.h"
 #include "worker/train/task.h"
 #include "worker/train/unit.h"
+#include "worker/train/task_options.h"
 
 namespace resnet {
 
@@ -27,9 +29,15 @@ inline constexpr char kModelName[] = "resnet";
 // Thread-compatible (see hsdp::train::Task).
 class ResNetTask : public hsdp::train::Task {
  public:
-  // INVALID_ARGUMENT naming the flag or option on bad arguments.
+  static hsdp::train::TaskOptionSpec Options();
+  // What resnet-worker runs (WorkerMain): the name, help, options and Create.
+  static hsdp::train::TaskDefinition Definition();
+  // INVALID_ARGUMENT naming the option when groups does not divide channels.
   static absl::StatusOr<std::unique_ptr<ResNetTask>> Create(
-      const hsdp::train::TaskArgs& args);
+      const hsdp::train::TaskOptionValues& options);
+  // Options() parses `options` first (in-process callers and tests).
+  static absl::StatusOr<std::unique_ptr<ResNetTask>> Create(
+      const std::map<std::string, std::string>& options);
 
   std::string Name() const override { return kModelName; }
   absl::Status Build(const hsdp::train::BuildContext& context) override;

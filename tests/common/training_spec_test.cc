@@ -47,8 +47,17 @@ TEST(TrainingSpecTest, FirstDifferenceIsNamedWithBothValues) {
   other = Spec();
   (*other.mutable_task_options())["tie_embeddings"] = "false";
   s = CompareTrainingSpecs(other, Spec());
-  EXPECT_NE(s.message().find("task_options"), std::string::npos) << s;
-  EXPECT_NE(s.message().find("false"), std::string::npos) << s;
+  EXPECT_EQ(std::string(s.message()),
+            "training setting task_options.tie_embeddings differs: this "
+            "worker has false, the job has true");
+
+  // A key on one side only; and the sides named as the caller asks.
+  other = Spec();
+  (*other.mutable_task_options())["blocks"] = "3";
+  s = CompareTrainingSpecs(other, Spec(), "the run", "the reference");
+  EXPECT_EQ(std::string(s.message()),
+            "training setting task_options.blocks differs: the run has 3, "
+            "the reference has (unset)");
 }
 
 }  // namespace

@@ -431,6 +431,35 @@ TEST_F(ElasticTest, NoLiveCopyOfAShardStopsTheJob) {
   EXPECT_FALSE(beat->message.empty());
 }
 
+// A worker reports an error no generation would get past (a non-finite loss):
+// the job fails at once with that reason, nothing re-forms, a vote waiting
+// for the step aborts, and only the first reason is kept.
+TEST_F(ElasticTest, FatalReportFailsTheJobWithItsReason) {
+  auto m = Make({2, 2});
+  const std::vector<int64_t> ids = JoinAll(*m);
+  Commit(*m, 0);
+  auto vote = std::async(std::launch::async, [&] {
+    return m->CommitStep(ids[0], 0, 1, absl::Now() + kPoll);
+  });
+  const std::string reason =
+      "step 1: the loss is nan on rank 2, microbatch 0 (--on-nonfinite stop)";
+  absl::StatusOr<bool> failed = m->FailJob(ids[2], 1, reason);
+  ASSERT_TRUE(failed.ok()) << failed.status();
+  EXPECT_TRUE(*failed);
+  EXPECT_EQ(vote.get().status().code(), absl::StatusCode::kAborted);
+  EXPECT_FALSE(*m->FailJob(ids[1], 1, "a later reason"));
+  EXPECT_EQ(m->job_state(), hsdp::v1::JOB_STATE_FAILED);
+  EXPECT_EQ(m->Status().message, reason);
+  absl::StatusOr<AwaitResult> exit = Confirm(*m, ids[0], 0);
+  ASSERT_TRUE(exit.ok()) << exit.status();
+  EXPECT_EQ(exit->outcome, hsdp::v1::AWAIT_OUTCOME_EXIT);
+  EXPECT_EQ(exit->message, absl::StrCat("the job failed: ", reason));
+  m->Tick();
+  EXPECT_EQ(m->current_generation().generation(), 0);
+  EXPECT_EQ(m->FailJob(424242, 1, "unknown worker").status().code(),
+            absl::StatusCode::kNotFound);
+}
+
 // Every replica of a shard index is gone, but every shard was checkpointed:
 // the live workers form a generation that loads the checkpoint (on the mesh
 // they make) and trains again from the step after it.

@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <string>
 #include <thread>
@@ -24,17 +25,14 @@ namespace resnet {
 namespace {
 
 using hsdp::train::ReferenceOptions;
-using hsdp::train::TaskArgs;
 using hsdp::train::TrainingOptions;
 
 constexpr int kSteps = 8;
 constexpr char kJob[] = "resnet-test";
 
 std::unique_ptr<hsdp::train::Task> MakeTask() {
-  TaskArgs args;
-  args.model = kModelName;
-  args.options = {{"channels", "8"}, {"blocks", "3"}, {"image_size", "6"}};
-  absl::StatusOr<std::unique_ptr<ResNetTask>> task = ResNetTask::Create(args);
+  absl::StatusOr<std::unique_ptr<ResNetTask>> task = ResNetTask::Create(
+      {{"channels", "8"}, {"blocks", "3"}, {"image_size", "6"}});
   EXPECT_TRUE(task.ok()) << task.status();
   return task.ok() ? std::move(*task) : nullptr;
 }
@@ -78,29 +76,34 @@ std::vector<double> Losses(const std::string& path) {
 
 TEST(ResNetTaskTest, BadSettingsAreRefusedNamingThem) {
   struct Case {
-    TaskArgs args;
+    std::map<std::string, std::string> options;
     std::string needle;
   };
-  std::vector<Case> cases(6);
-  cases[0].args.model = "gpt-tiny";
-  cases[0].needle = "--model gpt-tiny";
-  cases[1].args.data = "corpus.txt";
-  cases[1].needle = "--data corpus.txt";
-  cases[2].args.dims = "8,3";
-  cases[2].needle = "--dims";
-  cases[3].args.options = {{"depth", "3"}};
-  cases[3].needle = "--task-option depth";
-  cases[4].args.options = {{"channels", "-8"}};
-  cases[4].needle = "--task-option channels=-8";
-  cases[5].args.options = {{"channels", "6"}, {"groups", "4"}};
-  cases[5].needle = "--task-option groups=4";
+  const std::vector<Case> cases = {
+      {{{"depth", "3"}},
+       "--task-option depth: not an option of this task (it has channels, "
+       "blocks, image_size, classes, groups)"},
+      {{{"channels", "-8"}},
+       "--task-option channels=-8: want an integer in [1, 4096]"},
+      {{{"blocks", "three"}},
+       "--task-option blocks=three: want an integer in [1, 4096]"},
+      {{{"channels", "6"}, {"groups", "4"}},
+       "--task-option groups=4: must divide channels=6"},
+  };
   for (const Case& c : cases) {
     absl::StatusOr<std::unique_ptr<ResNetTask>> task =
-        ResNetTask::Create(c.args);
+        ResNetTask::Create(c.options);
     ASSERT_FALSE(task.ok()) << c.needle;
     EXPECT_EQ(task.status().code(), absl::StatusCode::kInvalidArgument);
-    EXPECT_NE(task.status().message().find(c.needle), std::string::npos)
-        << task.status();
+    EXPECT_EQ(task.status().message(), c.needle) << task.status();
+  }
+  // The defaults build, and the help names every option with its default.
+  EXPECT_TRUE(ResNetTask::Create(std::map<std::string, std::string>()).ok());
+  const std::string help = ResNetTask::Options().Help();
+  for (const char* want :
+       {"channels=INT in [1, 4096] (default 8)", "blocks=INT", "image_size",
+        "classes", "groups=INT in [1, 4096] (default 2)"}) {
+    EXPECT_NE(help.find(want), std::string::npos) << want << "\n" << help;
   }
 }
 

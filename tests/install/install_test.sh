@@ -6,6 +6,7 @@
 #   3. the installed hsdp-launch trains the resulting resnet-worker on a 2x2 mesh (--worker-binary);
 #   4. the same binary's --reference run trains the same global batches in one process, and every
 #      rank's loss of every step must match it within 1e-5;
+#      hsdp-compare agrees (step 0 bitwise equal) and refuses a reference of other settings;
 #   5. hsdp-launch refuses a bad --worker-binary in one line naming the flag.
 #
 # usage: install_test.sh SOURCE_DIR BUILD_DIR [CXX_COMPILER] [GENERATOR] [DEPS_PREFIX_PATH]
@@ -21,9 +22,9 @@ deps_path=${5:-}
 readonly steps=8
 readonly tolerance=1e-5
 # Small: four ranks on a shared 2-core machine.
-readonly worker_flags=(--microbatch-size 2 --seed 3 --optimizer sgd --lr 0.1
-                       --task-option channels=8 --task-option blocks=3
-                       --task-option image_size=6)
+readonly model_flags=(--seed 3 --optimizer sgd --lr 0.1 --task-option channels=8
+                      --task-option blocks=3 --task-option image_size=6)
+readonly worker_flags=(--microbatch-size 2 "${model_flags[@]}")
 
 scratch=$(mktemp -d "${TMPDIR:-/tmp}/hsdp-install-test.XXXXXX")
 cleanup() {
@@ -114,6 +115,29 @@ awk -v m="$max_diff" -v t="$tolerance" 'BEGIN { exit !(m <= t) }' \
 # It learns: the last reference loss is below the first.
 awk 'NR == 1 { first = $1 } { last = $1 } END { exit !(last < first) }' "$scratch/reference.losses" \
   || fail "the reference loss did not go down: $(tr '\n' ' ' < "$scratch/reference.losses")"
+
+# The installed hsdp-compare agrees, and sees step 0 bitwise equal on every rank; it refuses a
+# reference of other settings, naming the setting.
+"$prefix/bin/hsdp-compare" --tolerance "$tolerance" "$run_dir" "$scratch/reference.jsonl" \
+  > "$scratch/compare.log" 2>&1 || { cat "$scratch/compare.log" >&2; fail "hsdp-compare"; }
+grep -q "step 0 bitwise equal on every rank" "$scratch/compare.log" \
+  || { cat "$scratch/compare.log" >&2; fail "hsdp-compare: step 0 not bitwise equal"; }
+"$worker" --reference --world-size 4 --steps 1 --report-file "$scratch/reference-mb4.jsonl" \
+  --microbatch-size 4 "${model_flags[@]}" > "$scratch/reference-mb4.log" 2>&1 \
+  || { cat "$scratch/reference-mb4.log" >&2; fail "resnet-worker --reference --microbatch-size 4"; }
+set +e
+out=$("$prefix/bin/hsdp-compare" "$run_dir" "$scratch/reference-mb4.jsonl" 2>&1)
+rc=$?
+set -e
+[[ $rc -eq 2 && "$out" == *"global_batch differs: the run has 8, the reference has 16"* ]] \
+  || fail "hsdp-compare did not refuse a reference of another microbatch size (exit $rc): $out"
+# And --reference without --world-size is refused (it would mirror one rank).
+set +e
+out=$("$worker" --reference --steps 1 "${worker_flags[@]}" 2>&1)
+rc=$?
+set -e
+[[ $rc -eq 2 && "$out" == *"--reference needs --world-size"* ]] \
+  || fail "--reference without --world-size: exit $rc: $out"
 
 # --- 5. a bad --worker-binary -----------------------------------------------------------------
 for bad in "$scratch/no-such-worker" "$scratch" "$scratch/install.log"; do

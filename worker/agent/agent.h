@@ -170,6 +170,10 @@ class Agent {
   // A collective of this worker's generation failed at `step` (-1: outside a
   // step): ends the generation at once. True when this report ended it.
   absl::StatusOr<bool> ReportFailure(int64_t step, const std::string& detail);
+  // This worker met an error at `step` that no new generation would get past
+  // (a non-finite loss): the coordinator marks the job FAILED with `reason`.
+  // True when this report failed the job (false: it had failed already).
+  absl::StatusOr<bool> FailJob(int64_t step, const std::string& reason);
 
   // Votes to commit `step` of this worker's generation, after its backward
   // and collectives and before its optimizer step. Blocks until every member

@@ -96,6 +96,27 @@ absl::StatusOr<bool> Agent::ReportFailure(int64_t step,
   return resp.ended();
 }
 
+absl::StatusOr<bool> Agent::FailJob(int64_t step, const std::string& reason) {
+  hsdp::v1::ReportFailureRequest req;
+  req.set_job_id(options_.job_id);
+  {
+    absl::MutexLock lock(&mu_);
+    req.set_worker_id(join_.worker_id());
+    req.set_generation(join_.generation());
+  }
+  req.set_step(step);
+  req.set_detail(reason);
+  req.set_fatal(true);
+  hsdp::v1::ReportFailureResponse resp;
+  absl::Status s =
+      CallWithRetry(absl::StrCat("ReportFailure(step ", step, ", fatal)"),
+                    options_.rpc_timeout, [&](grpc::ClientContext& ctx) {
+                      return stub_->ReportFailure(&ctx, req, &resp);
+                    });
+  if (!s.ok()) return s;
+  return resp.ended();
+}
+
 absl::StatusOr<hsdp::v1::CommitStepResponse> Agent::CommitStep(int64_t step) {
   hsdp::v1::CommitStepRequest req;
   req.set_job_id(options_.job_id);

@@ -1,5 +1,8 @@
 #include "worker/train/report_file.h"
 
+#include <google/protobuf/util/json_util.h>
+
+#include <cmath>
 #include <cstring>
 #include <sstream>
 
@@ -26,9 +29,50 @@ int64_t ProcStatusBytes(const char* field) {
   return 0;
 }
 
+// `text` as a JSON string literal.
+std::string JsonString(const std::string& text) {
+  std::string out = "\"";
+  for (const char c : text) {
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += c;
+    } else if (static_cast<unsigned char>(c) < 0x20) {
+      out += absl::StrFormat("\\u%04x", static_cast<int>(c));
+    } else {
+      out += c;
+    }
+  }
+  return out + "\"";
+}
+
+std::string NonFiniteField(const std::string& nonfinite) {
+  return nonfinite.empty()
+             ? std::string()
+             : absl::StrCat(",\"nonfinite\":", JsonString(nonfinite),
+                            ",\"skipped\":true");
+}
+
 }  // namespace
 
+std::string SettingsJson(const RunSettings& s) {
+  google::protobuf::util::JsonPrintOptions options;
+  options.preserve_proto_field_names = true;
+  options.always_print_primitive_fields = true;
+  std::string training;
+  if (!google::protobuf::util::MessageToJsonString(s.training, &training,
+                                                   options)
+           .ok()) {
+    training = "{}";  // a TrainingSpec always prints
+  }
+  return absl::StrCat(
+      "{\"world_size\":", s.world_size, ",\"microbatches\":", s.microbatches,
+      ",\"global_batch\":", s.global_batch, ",\"training\":", training, "}");
+}
+
 std::string LossFields(double loss) {
+  if (!std::isfinite(loss)) {
+    return absl::StrFormat("\"loss\":null,\"loss_hex\":\"%a\"", loss);
+  }
   return absl::StrFormat("\"loss\":%.9g,\"loss_hex\":\"%a\"", loss, loss);
 }
 
@@ -42,9 +86,19 @@ absl::Status ReportFile::Open(const std::string& path) {
   return absl::OkStatus();
 }
 
-void ReportFile::WriteLine(const std::string& json) {
+void ReportFile::SetSettings(const RunSettings& settings) {
+  std::string json = SettingsJson(settings);
+  pending_settings_ = json == written_settings_ ? std::string() : json;
+}
+
+void ReportFile::WriteLine(std::string fields) {
   if (!out_.is_open()) return;
-  out_ << json << "\n";
+  if (!pending_settings_.empty()) {
+    absl::StrAppend(&fields, ",\"settings\":", pending_settings_);
+    written_settings_ = std::move(pending_settings_);
+    pending_settings_.clear();
+  }
+  out_ << fields << "}\n";
   out_.flush();
 }
 
@@ -60,7 +114,7 @@ void ReportFile::Write(const StepLine& l) {
       "\"checkpoint\":%s,\"world_size\":%d,"
       "\"first_sample\":%d,\"sample_count\":%d,\"generation\":%d,"
       "\"first_microbatch\":%d,\"microbatch_count\":%d,"
-      "\"commit_seconds\":%.6f%s}",
+      "\"commit_seconds\":%.6f%s%s",
       l.rank, l.step, LossFields(l.loss), l.step_seconds, l.tokens_per_second,
       l.learning_rate, l.peak_memory_bytes, l.activation_bytes,
       ProcStatusBytes("VmRSS:"), ProcStatusBytes("VmHWM:"), l.policy_version,
@@ -70,14 +124,14 @@ void ReportFile::Write(const StepLine& l) {
       l.microbatch_count, l.commit_seconds,
       l.heal_crc32c.has_value()
           ? absl::StrFormat(",\"heal_crc32c\":\"%08x\"", *l.heal_crc32c)
-          : std::string()));
+          : std::string(),
+      NonFiniteField(l.nonfinite)));
 }
 
-void ReportFile::WriteReference(int64_t step, double loss,
-                                double step_seconds) {
-  WriteLine(
-      absl::StrFormat("{\"rank\":-1,\"step\":%d,%s,\"step_seconds\":%.6f}",
-                      step, LossFields(loss), step_seconds));
+void ReportFile::WriteReference(const ReferenceLine& l) {
+  WriteLine(absl::StrFormat(
+      "{\"rank\":-1,\"step\":%d,%s,\"step_seconds\":%.6f%s", l.step,
+      LossFields(l.loss), l.step_seconds, NonFiniteField(l.nonfinite)));
 }
 
 }  // namespace hsdp::train

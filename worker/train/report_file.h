@@ -1,6 +1,14 @@
 // The per-step report file (--report-file): JSON lines, one object per step,
 // appended and flushed as each step ends (the launcher and tests tail it).
-// Fields are listed in worker/README.md.
+// Fields are listed in worker/README.md. Every line is valid JSON: a
+// non-finite loss is written "loss":null (its bits stay in loss_hex).
+//
+// The first line a process writes, and the first after any change of them,
+// ends with "settings":{...}: the settings that decide the numbers (world
+// size, microbatches per rank, global batch in samples, and the training
+// settings as hsdp.v1.TrainingSpec JSON: task name and version, task options,
+// seed, steps, microbatch size, optimizer, schedule, dtypes, clipping), so a
+// run and its reference can be checked against each other (hsdp-compare).
 #ifndef HSDP_WORKER_TRAIN_REPORT_FILE_H_
 #define HSDP_WORKER_TRAIN_REPORT_FILE_H_
 
@@ -10,8 +18,23 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "hsdp/v1/common.pb.h"
 
 namespace hsdp::train {
+
+// The settings that decide a run's numbers.
+struct RunSettings {
+  int world_size = 0;
+  // Microbatches per rank per step.
+  int microbatches = 0;
+  // Samples per step over every rank (world × microbatches × microbatch size
+  // in a run that keeps its mesh).
+  int64_t global_batch = 0;
+  hsdp::v1::TrainingSpec training;
+};
+
+// One JSON object, on one line.
+std::string SettingsJson(const RunSettings& settings);
 
 // One step of a sharded run, as the report file shows it.
 struct StepLine {
@@ -47,6 +70,17 @@ struct StepLine {
   std::optional<uint32_t> heal_crc32c;
   // Time in the commit vote (CommitStep, until every rank voted).
   double commit_seconds = 0;
+  // Set on a step skipped for a non-finite loss or gradient norm: why.
+  std::string nonfinite;
+};
+
+// One step of the single-process reference.
+struct ReferenceLine {
+  int64_t step = 0;
+  double loss = 0;
+  double step_seconds = 0;
+  // As StepLine::nonfinite.
+  std::string nonfinite;
 };
 
 // Thread-compatible. Writing to a closed file (no path) does nothing.
@@ -54,17 +88,23 @@ class ReportFile {
  public:
   // Appends to `path`; an empty path writes nothing.
   absl::Status Open(const std::string& path);
+  // The next line written carries `settings` unless it equals the settings
+  // written last.
+  void SetSettings(const RunSettings& settings);
   void Write(const StepLine& line);
   // A reference step: {"rank":-1,"step":...,"loss":...,"step_seconds":...}.
-  void WriteReference(int64_t step, double loss, double step_seconds);
+  void WriteReference(const ReferenceLine& line);
 
  private:
-  void WriteLine(const std::string& json);
+  // `fields` without the closing brace.
+  void WriteLine(std::string fields);
   std::ofstream out_;
+  std::string pending_settings_;
+  std::string written_settings_;
 };
 
 // "loss":...,"loss_hex":"..." — the loss also as a C99 hex float, so tests
-// compare bits.
+// compare bits; "loss":null when it is not finite.
 std::string LossFields(double loss);
 
 }  // namespace hsdp::train

@@ -115,4 +115,32 @@ absl::Status SaveParams(
   return absl::OkStatus();
 }
 
+std::string NonFiniteLossMessage(int64_t step, double loss, int rank,
+                                 int microbatch, int64_t count) {
+  std::string message =
+      absl::StrCat("step ", step, ": the loss is ", loss, " on rank ", rank,
+                   ", microbatch ", microbatch);
+  if (count > 1) {
+    absl::StrAppend(&message, " (", count,
+                    " non-finite microbatches in the step)");
+  }
+  return message;
+}
+
+std::string NonFiniteNormMessage(int64_t step, double norm, double max_norm) {
+  return absl::StrCat("step ", step, ": the global gradient norm is ", norm,
+                      " (clipping to ", max_norm,
+                      "; every microbatch's loss is finite)");
+}
+
+std::string WithNonFiniteAction(const std::string& message,
+                                NonFiniteAction action) {
+  return action == NonFiniteAction::kSkipStep
+             ? absl::StrCat(message,
+                            "; the step is skipped (--on-nonfinite skip-step)")
+             : absl::StrCat(message,
+                            "; stopping (--on-nonfinite skip-step would skip "
+                            "the step instead)");
+}
+
 }  // namespace hsdp::train

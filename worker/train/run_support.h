@@ -46,6 +46,18 @@ absl::StatusOr<at::Tensor> MicrobatchLoss(Task& task, const Batch& batch);
 absl::StatusOr<Batch> MicrobatchBatch(Task& task, const BatchRequest& request,
                                       const c10::Device& device);
 
+// The one line a step with a non-finite loss gets: the step, the loss, the
+// first rank with such a microbatch and its first one (0-based within the
+// step), and `count`, the step's non-finite microbatches over every rank.
+std::string NonFiniteLossMessage(int64_t step, double loss, int rank,
+                                 int microbatch, int64_t count);
+// The same for a non-finite global gradient norm (clipping to `max_norm`)
+// after finite losses.
+std::string NonFiniteNormMessage(int64_t step, double norm, double max_norm);
+// `message` and what the run does about it under `action`.
+std::string WithNonFiniteAction(const std::string& message,
+                                NonFiniteAction action);
+
 // A LibTorch archive of named tensors (on the CPU).
 absl::Status SaveParams(
     const std::vector<std::pair<std::string, at::Tensor>>& params,

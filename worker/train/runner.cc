@@ -6,6 +6,7 @@
 #include <cmath>
 #include <exception>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -40,8 +41,9 @@ absl::Status Guard(const std::string& what, Fn fn) {
 }
 
 // Clips the gradients of `params` (unsharded) as fsdp::ClipGradNormGlobal
-// clips shards: the global norm in double precision, one coefficient.
-void ClipGradNorm(const std::vector<at::Tensor>& params, double max_norm) {
+// clips shards: the global norm in double precision, one coefficient. Returns
+// the norm before clipping.
+double ClipGradNorm(const std::vector<at::Tensor>& params, double max_norm) {
   constexpr double kClipEpsilon = 1e-6;
   at::NoGradGuard no_grad;
   double sum_sq = 0;
@@ -49,11 +51,13 @@ void ClipGradNorm(const std::vector<at::Tensor>& params, double max_norm) {
     if (p.grad().defined())
       sum_sq += p.grad().to(at::kDouble).pow(2).sum().item<double>();
   }
-  const double coef = max_norm / (std::sqrt(sum_sq) + kClipEpsilon);
-  if (coef >= 1.0) return;
+  const double norm = std::sqrt(sum_sq);
+  const double coef = max_norm / (norm + kClipEpsilon);
+  if (coef >= 1.0) return norm;
   for (const at::Tensor& p : params) {
     if (p.grad().defined()) p.mutable_grad().mul_(coef);
   }
+  return norm;
 }
 
 // ---- the single-process reference ------------------------------------------
@@ -86,10 +90,17 @@ absl::Status TrainReference(std::unique_ptr<Task> task,
   // A sum over ranks (or over a divide factor) instead of their mean: what the
   // sharded run's gradient is, relative to the global batch's mean.
   const double grad_scale = ReferenceGradScale(t, o.world_size);
+  report_file.SetSettings(
+      RunSettings{o.world_size, micro, o.world_size * micro * t.microbatch_size,
+                  ToProto(t, o.task_args, task->Name(), task->Version())});
   for (int64_t step = 0; step < t.steps; ++step) {
     const auto t0 = std::chrono::steady_clock::now();
     ApplyLearningRate(*opt, t, step);
     double loss = 0;
+    // The first non-finite microbatch loss (global slot i: rank i / micro of
+    // the sharded run, its microbatch i % micro) and how many.
+    int64_t first_nonfinite = -1, nonfinite_count = 0;
+    double first_nonfinite_loss = 0;
     for (int64_t i = 0; i < o.world_size * micro; ++i) {
       BatchRequest request{step, i * t.microbatch_size, t.microbatch_size,
                            t.seed};
@@ -105,12 +116,38 @@ absl::Status TrainReference(std::unique_ptr<Task> task,
       }
       l = l / parts;
       (grad_scale == 1.0 ? l : l * grad_scale).backward();
-      loss += l.item<double>();
+      const double value = l.item<double>();
+      loss += value;
+      if (!std::isfinite(value)) {
+        if (first_nonfinite < 0) {
+          first_nonfinite = i;
+          first_nonfinite_loss = value;
+        }
+        ++nonfinite_count;
+      }
     }
-    if (t.clip_grad_norm > 0) ClipGradNorm(params, t.clip_grad_norm);
-    opt->step();
+    std::optional<double> norm;
+    if (t.clip_grad_norm > 0) norm = ClipGradNorm(params, t.clip_grad_norm);
+    std::string nonfinite;
+    if (first_nonfinite >= 0) {
+      nonfinite = NonFiniteLossMessage(
+          step, first_nonfinite_loss, static_cast<int>(first_nonfinite / micro),
+          static_cast<int>(first_nonfinite % micro), nonfinite_count);
+    } else if (norm.has_value() && !std::isfinite(*norm)) {
+      nonfinite = NonFiniteNormMessage(step, *norm, t.clip_grad_norm);
+    }
+    if (!nonfinite.empty()) {
+      nonfinite = WithNonFiniteAction(nonfinite, t.on_nonfinite);
+      if (t.on_nonfinite == NonFiniteAction::kStop) {
+        return absl::InternalError(nonfinite);
+      }
+      LOG(WARNING) << "reference: " << nonfinite;
+    } else {
+      opt->step();
+    }
     opt->zero_grad();
-    report_file.WriteReference(step, loss, SecondsSince(t0));
+    report_file.WriteReference(
+        ReferenceLine{step, loss, SecondsSince(t0), nonfinite});
   }
   if (!o.process.final_params.empty()) {
     HSDP_RETURN_IF_ERROR(SaveParams(UniqueNamedParameters(*task->Model()),

@@ -58,6 +58,18 @@ struct LrScheduleOptions {
   double LearningRate(double peak_lr, int64_t step, int64_t steps) const;
 };
 
+// What a step whose loss, or (when clipping) global gradient norm, is NaN or
+// infinite does. Every rank sees the same mean loss and norm, so every rank
+// takes the same branch.
+enum class NonFiniteAction {
+  // The run fails with one line naming the step, rank and microbatch, and the
+  // coordinator marks the job FAILED with it.
+  kStop,
+  // Every rank drops the step's gradients and applies no update (optimizer
+  // state untouched); the step's report line says why, with "loss":null.
+  kSkipStep,
+};
+
 // The settings every rank of a job shares.
 struct TrainingOptions {
   int64_t steps = 100;
@@ -85,6 +97,7 @@ struct TrainingOptions {
   // divided by it instead. The reference applies the same scale.
   std::string grad_reduce = "avg";
   double grad_divide_factor = 0;
+  NonFiniteAction on_nonfinite = NonFiniteAction::kStop;
 };
 
 // Settings of this process that may differ between ranks.
@@ -137,6 +150,9 @@ struct WorkerOptions {
 struct ReferenceOptions {
   TrainingOptions training;
   ProcessOptions process;
+  // The task's settings, written with the training settings at the head of
+  // the report file (hsdp-compare checks them against a sharded run's).
+  TaskArgs task_args;
   // The global batch of the sharded run it mirrors: world_size ranks x
   // microbatches.
   int world_size = 1;

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <exception>
 #include <optional>
 #include <string>
@@ -163,6 +164,15 @@ class ShardedRun {
   absl::Status Enter(const Generation& g);
   absl::Status Heal(const Generation& g);
   absl::StatusOr<Next> Step(int64_t step);
+  // The step's mean loss (or clipped norm) is not finite, on every rank: the
+  // one line naming the step, and the first rank and microbatch whose loss is
+  // not finite (a collective: every rank calls it). `microbatch_losses` are
+  // this rank's real microbatches' losses.
+  absl::StatusOr<std::string> DescribeNonFinite(
+      int64_t step, double loss, std::optional<double> norm,
+      const std::vector<at::Tensor>& microbatch_losses);
+  // Fails the job with `message` at the coordinator and returns it.
+  absl::Status StopForNonFinite(int64_t step, const std::string& message);
   // A failed step or entry: re-form (after reporting a failed collective), or
   // the error when it is not a communication failure.
   absl::StatusOr<Next> OnFailure(const absl::Status& s, int64_t step);
@@ -180,6 +190,8 @@ class ShardedRun {
   CheckpointingOptions checkpointing_options_;
   std::unique_ptr<agent::Agent> agent_;
   ReportFile report_file_;
+  // The training settings reported at Join and written to the report file.
+  hsdp::v1::TrainingSpec spec_;
   int64_t last_step_ = 0;
 
   // The current generation and its communicators. The previous ones are kept
@@ -266,7 +278,8 @@ absl::Status ShardedRun::Start() {
   ao.device = o_.device;
   ao.model = task_->Name();
   for (const fsdp::UnitInfo& u : units_) ao.units.push_back(fsdp::ToProto(u));
-  ao.training = ToProto(t_, o_.task_args, task_->Name(), task_->Version());
+  spec_ = ToProto(t_, o_.task_args, task_->Name(), task_->Version());
+  ao.training = spec_;
   ao.retry_budget = o_.coordinator_timeout;
   HSDP_RETURN_IF_ERROR(agent::LoadAgentSecurityFiles(
       {o_.job_token_file, o_.tls_ca, o_.tls_client_cert, o_.tls_client_key},
@@ -504,6 +517,8 @@ absl::StatusOr<Next> ShardedRun::Step(int64_t step) {
   // Summed on the device: one host sync per step, not per microbatch.
   at::Tensor loss_sum =
       at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(device_));
+  // Read only when the step's loss is not finite.
+  std::vector<at::Tensor> microbatch_losses;
   try {
     for (int mb = 0; mb < micro; ++mb) {
       if (absl::Status s = engine_->Apply(schedule, mb); !s.ok()) {
@@ -540,7 +555,10 @@ absl::StatusOr<Next> ShardedRun::Step(int64_t step) {
       HSDP_RETURN_IF_ERROR(loss_status);
       loss.backward();
       if (!engine_->status().ok()) return CollectiveFailure(engine_->status());
-      if (!padding) loss_sum += loss.detach().to(at::kDouble);
+      if (!padding) {
+        microbatch_losses.push_back(loss.detach().to(at::kDouble));
+        loss_sum += microbatch_losses.back();
+      }
     }
   } catch (const std::exception& e) {
     // A collective that failed under forward or backward surfaces as a
@@ -559,15 +577,31 @@ absl::StatusOr<Next> ShardedRun::Step(int64_t step) {
     return absl::InternalError(absl::StrCat("step ", step, ": ", what));
   }
   const fsdp::EngineStats stats = engine_->Stats();
+  std::optional<double> grad_norm;
   if (t_.clip_grad_norm > 0) {
     absl::StatusOr<double> norm =
         fsdp::ClipGradNormGlobal(*engine_, t_.clip_grad_norm);
     if (!norm.ok()) return CollectiveFailure(norm.status());
+    grad_norm = *norm;
   }
   absl::StatusOr<double> mean_loss =
       MeshAverage(*mesh_, loss_sum.item<double>(), device_);
   if (!mean_loss.ok()) return CollectiveFailure(mean_loss.status());
   const double loss = *mean_loss;
+  // The mean and the norm are the same on every rank: every rank decides
+  // alike, and a non-finite loss anywhere makes the mean non-finite.
+  std::string nonfinite;
+  if (!std::isfinite(loss) ||
+      (grad_norm.has_value() && !std::isfinite(*grad_norm))) {
+    absl::StatusOr<std::string> what =
+        DescribeNonFinite(step, loss, grad_norm, microbatch_losses);
+    if (!what.ok()) return CollectiveFailure(what.status());
+    if (t_.on_nonfinite == NonFiniteAction::kStop) {
+      return StopForNonFinite(step, *what);
+    }
+    nonfinite = WithNonFiniteAction(*what, t_.on_nonfinite);
+    LOG(WARNING) << "rank " << rank_ << ": " << nonfinite;
+  }
 
   // Every collective of the step is done: vote. Nothing changed the state
   // yet, so an aborted step only needs its gradients dropped.
@@ -581,7 +615,7 @@ absl::StatusOr<Next> ShardedRun::Step(int64_t step) {
   const int64_t vote_end = StepTrace::Now();
   trace.Add("commit vote", vote_begin, vote_end);
   const int64_t optimizer_begin = StepTrace::Now();
-  opt_->step();
+  if (nonfinite.empty()) opt_->step();
   opt_->zero_grad();
   trace.Add("optimizer", optimizer_begin, StepTrace::Now());
   const double step_seconds = SecondsSince(t0);
@@ -655,7 +689,10 @@ absl::StatusOr<Next> ShardedRun::Step(int64_t step) {
   line.sample_count = real * t_.microbatch_size;
   line.heal_crc32c = heal_crc_;
   line.commit_seconds = static_cast<double>(vote_end - vote_begin) * 1e-9;
+  line.nonfinite = nonfinite;
   heal_crc_.reset();
+  report_file_.SetSettings(
+      RunSettings{world, micro, global * t_.microbatch_size, spec_});
   report_file_.Write(line);
 
   // The last step is reported as finished after the final collectives
@@ -669,6 +706,58 @@ absl::StatusOr<Next> ShardedRun::Step(int64_t step) {
   have_report_ = true;
   if (!checkpoint_status.ok()) return CollectiveFailure(checkpoint_status);
   return commit->reform_after() ? Next::kReform : Next::kStep;
+}
+
+absl::StatusOr<std::string> ShardedRun::DescribeNonFinite(
+    int64_t step, double loss, std::optional<double> norm,
+    const std::vector<at::Tensor>& microbatch_losses) {
+  if (std::isfinite(loss)) {
+    return NonFiniteNormMessage(step, norm.value_or(0), t_.clip_grad_norm);
+  }
+  // Per rank: 1 + its first non-finite microbatch (0: none), how many, and
+  // that microbatch's loss.
+  std::vector<double> mine(3, 0.0);
+  for (size_t mb = 0; mb < microbatch_losses.size(); ++mb) {
+    const double value = microbatch_losses[mb].item<double>();
+    if (std::isfinite(value)) continue;
+    if (mine[0] == 0) {
+      mine[0] = static_cast<double>(mb + 1);
+      mine[2] = value;
+    }
+    mine[1] += 1;
+  }
+  HSDP_ASSIGN_OR_RETURN(const std::vector<double> all,
+                        MeshGather(*mesh_, mine, device_));
+  int64_t count = 0;
+  int first_rank = -1;
+  for (size_t r = 0; r * 3 < all.size(); ++r) {
+    count += static_cast<int64_t>(all[r * 3 + 1]);
+    if (first_rank < 0 && all[r * 3] > 0) first_rank = static_cast<int>(r);
+  }
+  if (first_rank < 0) {
+    // Finite microbatch losses whose mean over the mesh overflowed.
+    return absl::StrCat("step ", step, ": the mean loss over every rank is ",
+                        loss, " (every microbatch's loss is finite)");
+  }
+  const size_t at = static_cast<size_t>(first_rank) * 3;
+  return NonFiniteLossMessage(step, all[at + 2], first_rank,
+                              static_cast<int>(all[at]) - 1, count);
+}
+
+absl::Status ShardedRun::StopForNonFinite(int64_t step,
+                                          const std::string& message) {
+  opt_->zero_grad();
+  const std::string reason = WithNonFiniteAction(message, t_.on_nonfinite);
+  LOG(ERROR) << "rank " << rank_ << ": " << reason;
+  // Every rank reports: the first report fails the job, the others find it
+  // failed.
+  absl::StatusOr<bool> failed = agent_->FailJob(step, reason);
+  if (!failed.ok()) {
+    LOG(WARNING) << "rank " << rank_
+                 << ": could not fail the job at the coordinator: "
+                 << failed.status();
+  }
+  return absl::InternalError(reason);
 }
 
 absl::StatusOr<Next> ShardedRun::OnFailure(const absl::Status& s,

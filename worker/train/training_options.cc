@@ -16,6 +16,17 @@ bool IsDtype(const std::string& dtype) {
 
 }  // namespace
 
+const char* NonFiniteActionName(NonFiniteAction action) {
+  return action == NonFiniteAction::kSkipStep ? "skip-step" : "stop";
+}
+
+absl::StatusOr<NonFiniteAction> ParseNonFiniteAction(absl::string_view name) {
+  if (name == "stop") return NonFiniteAction::kStop;
+  if (name == "skip-step") return NonFiniteAction::kSkipStep;
+  return absl::InvalidArgumentError(
+      absl::StrCat("--on-nonfinite: '", name, "' is not stop or skip-step"));
+}
+
 double OptimizerOptions::EffectiveWeightDecay() const {
   if (weight_decay.has_value()) return *weight_decay;
   return kind == OptimizerKind::kAdamW ? kAdamWDefaultWeightDecay : 0.0;
@@ -132,6 +143,7 @@ hsdp::v1::TrainingSpec ToProto(const TrainingOptions& o,
   spec.set_clip_grad_norm(o.clip_grad_norm);
   spec.set_grad_reduce(o.grad_reduce);
   spec.set_grad_divide_factor(o.grad_divide_factor);
+  spec.set_on_nonfinite(NonFiniteActionName(o.on_nonfinite));
   return spec;
 }
 

@@ -7,10 +7,17 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "hsdp/v1/common.pb.h"
 #include "worker/train/runner.h"
 
 namespace hsdp::train {
+
+// "stop" or "skip-step" (--on-nonfinite).
+const char* NonFiniteActionName(NonFiniteAction action);
+// INVALID_ARGUMENT naming --on-nonfinite for anything else.
+absl::StatusOr<NonFiniteAction> ParseNonFiniteAction(absl::string_view name);
 
 // INVALID_ARGUMENT naming the flag for values no job can run with (e.g.
 // "--param-dtype: 'fp16' is not fp32 or bf16").

@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 #include "worker/train/runner.h"
+#include "worker/train/task_options.h"
 #include "worker/train/training_options.h"
 
 namespace hsdp::train {
@@ -62,9 +63,11 @@ int Fail(const std::string& program, const std::string& message) {
   return kExitFailure;
 }
 
-}  // namespace
-
-int WorkerMain(int argc, char** argv, const TaskFactory& factory) {
+// The command line of both WorkerMain forms: `factory` (the built-in
+// registry's form, with the GPT's flags) or `definition` (a user's task with
+// typed options, without them); exactly one is set.
+int RunWorkerMain(int argc, char** argv, const TaskFactory* factory,
+                  const TaskDefinition* definition) {
   const std::string program = ProgramName(argc > 0 ? argv[0] : nullptr);
   WorkerOptions w;
   TrainingOptions& t = w.training;
@@ -74,12 +77,18 @@ int WorkerMain(int argc, char** argv, const TaskFactory& factory) {
   double weight_decay = -1;
   bool reference = false;
   std::string optimizer = "adamw", lr_schedule = "constant";
+  std::string on_nonfinite = "stop";
   std::vector<std::string> task_options;
   std::string units;
 
-  CLI::App app{absl::StrCat(program,
-                            ": trains a model shard scheduled by an hsdp "
-                            "coordinator")};
+  CLI::App app{definition == nullptr
+                   ? absl::StrCat(program,
+                                  ": trains a model shard scheduled by an hsdp "
+                                  "coordinator")
+                   : absl::StrCat(program, ": trains a shard of ",
+                                  definition->name,
+                                  " scheduled by an hsdp coordinator. ",
+                                  definition->description)};
   app.add_option("--coordinator", w.coordinator, "coordinator HOST:PORT")
       ->envname("HSDP_COORDINATOR");
   app.add_option("--job-id", w.job_id, "job id")->envname("HSDP_JOB_ID");
@@ -101,25 +110,33 @@ int WorkerMain(int argc, char** argv, const TaskFactory& factory) {
                  "POD_NAME/HOSTNAME)")
       ->envname("HSDP_RANK_HINT");
   app.add_option("--device", w.device, "cpu or cuda:N")->envname("HSDP_DEVICE");
-  app.add_option("--model", w.task_args.model, "the model (task) to train")
-      ->envname("HSDP_MODEL");
-  app.add_option("--dims", w.task_args.dims,
-                 "explicit dims d_model,n_layers,n_heads,seq_len");
-  app.add_option("--vocab-size", w.task_args.vocab_size,
-                 "vocabulary size (0: the model's default)")
-      ->envname("HSDP_VOCAB_SIZE");
-  app.add_option("--task-option", task_options,
-                 "KEY=VALUE setting of the model's own (repeatable)");
-  app.add_option("--units", units,
-                 "glob over submodule names that are sharding units, e.g. "
-                 "'layers.*' (torchscript models; same as --task-option "
-                 "units=RULE)")
-      ->envname("HSDP_UNITS");
-  app.add_option("--data", w.task_args.data,
-                 "training data: a text file, tokens:PATH (llm.c header), "
-                 "tokens-u16:PATH or tokens-u32:PATH (default: built-in "
-                 "corpus)")
-      ->envname("HSDP_DATA");
+  if (definition == nullptr) {
+    app.add_option("--model", w.task_args.model, "the model (task) to train")
+        ->envname("HSDP_MODEL");
+    app.add_option("--dims", w.task_args.dims,
+                   "explicit dims d_model,n_layers,n_heads,seq_len");
+    app.add_option("--vocab-size", w.task_args.vocab_size,
+                   "vocabulary size (0: the model's default)")
+        ->envname("HSDP_VOCAB_SIZE");
+    app.add_option("--task-option", task_options,
+                   "KEY=VALUE setting of the model's own (repeatable)");
+    app.add_option("--units", units,
+                   "glob over submodule names that are sharding units, e.g. "
+                   "'layers.*' (torchscript models; same as --task-option "
+                   "units=RULE)")
+        ->envname("HSDP_UNITS");
+    app.add_option("--data", w.task_args.data,
+                   "training data: a text file, tokens:PATH (llm.c header), "
+                   "tokens-u16:PATH or tokens-u32:PATH (default: built-in "
+                   "corpus)")
+        ->envname("HSDP_DATA");
+  } else {
+    app.add_option("--task-option", task_options,
+                   "NAME=VALUE setting of the task (repeatable; listed below)");
+    app.footer(absl::StrCat("Task options of ", definition->name,
+                            " (--task-option NAME=VALUE):\n",
+                            definition->options.Help()));
+  }
   app.add_option("--steps", t.steps, "total training steps")
       ->envname("HSDP_STEPS");
   app.add_option("--microbatch-size", t.microbatch_size,
@@ -170,6 +187,12 @@ int WorkerMain(int argc, char** argv, const TaskFactory& factory) {
   app.add_option("--clip-grad-norm", t.clip_grad_norm,
                  "clip the global gradient norm to this (0: off)")
       ->envname("HSDP_CLIP_GRAD_NORM");
+  app.add_option("--on-nonfinite", on_nonfinite,
+                 "a step whose loss (or clipped gradient norm) is NaN or "
+                 "infinite: stop (the job fails naming the step, rank and "
+                 "microbatch) or skip-step (every rank drops the step's "
+                 "gradients)")
+      ->envname("HSDP_ON_NONFINITE");
   app.add_option("--checkpoint-dir", w.checkpoint_dir,
                  "sharded checkpoints; resume from here")
       ->envname("HSDP_CHECKPOINT_DIR");
@@ -208,7 +231,8 @@ int WorkerMain(int argc, char** argv, const TaskFactory& factory) {
       "--reference", reference,
       "train unsharded in this process on the global batches of a sharded run");
   app.add_option("--world-size", world_size,
-                 "--reference: world size mirrored");
+                 "--reference (required): world size of the sharded run "
+                 "mirrored");
   app.add_option("--microbatches", microbatches,
                  "--reference: microbatches per step");
   try {
@@ -241,6 +265,19 @@ int WorkerMain(int argc, char** argv, const TaskFactory& factory) {
                               "' is not constant or cosine"));
   }
   t.lr_schedule.cosine = lr_schedule == "cosine";
+  if (absl::StatusOr<NonFiniteAction> action =
+          ParseNonFiniteAction(on_nonfinite);
+      action.ok()) {
+    t.on_nonfinite = *action;
+  } else {
+    return usage(std::string(action.status().message()));
+  }
+  if (reference && app.count("--world-size") == 0) {
+    // The default of 1 would silently mirror a one-rank run.
+    return usage(
+        "--reference needs --world-size N: the world size of the sharded run "
+        "it mirrors (and --microbatches M unless 1)");
+  }
   if (app.count("--weight-decay") > 0 || Env("HSDP_WEIGHT_DECAY") != nullptr) {
     t.optimizer.weight_decay = weight_decay;
   }
@@ -252,18 +289,32 @@ int WorkerMain(int argc, char** argv, const TaskFactory& factory) {
     w.task_args.options[kv.substr(0, eq)] = kv.substr(eq + 1);
   }
   if (!units.empty()) w.task_args.options["units"] = units;
+  std::optional<TaskOptionValues> values;
+  if (definition != nullptr) {
+    absl::StatusOr<TaskOptionValues> parsed =
+        definition->options.Parse(w.task_args.options);
+    if (!parsed.ok()) return usage(std::string(parsed.status().message()));
+    // Canonical and complete: ranks that spell a value differently, or rely
+    // on a default, report the same settings.
+    w.task_args.options = parsed->AsMap();
+    w.task_args.model = definition->name;
+    values = *std::move(parsed);
+  }
   if (absl::Status s = ValidateTrainingOptions(t); !s.ok()) {
     return usage(std::string(s.message()));
   }
 
   InitLogging(argc > 0 ? argv[0] : "hsdp-worker");
-  absl::StatusOr<std::unique_ptr<Task>> task = factory(w.task_args);
+  absl::StatusOr<std::unique_ptr<Task>> task = definition == nullptr
+                                                   ? (*factory)(w.task_args)
+                                                   : definition->make(*values);
   if (!task.ok()) return Fail(program, std::string(task.status().message()));
 
   if (reference) {
     ReferenceOptions ref;
     ref.training = t;
     ref.process = w.process;
+    ref.task_args = w.task_args;
     ref.world_size = world_size;
     ref.microbatches = microbatches;
     absl::Status s = RunReference(std::move(*task), ref);
@@ -279,6 +330,16 @@ int WorkerMain(int argc, char** argv, const TaskFactory& factory) {
   w.coordinator_timeout = absl::Seconds(coordinator_timeout);
   absl::Status s = RunTask(std::move(*task), w);
   return s.ok() ? 0 : Fail(program, std::string(s.message()));
+}
+
+}  // namespace
+
+int WorkerMain(int argc, char** argv, const TaskFactory& factory) {
+  return RunWorkerMain(argc, argv, &factory, nullptr);
+}
+
+int WorkerMain(int argc, char** argv, const TaskDefinition& definition) {
+  return RunWorkerMain(argc, argv, nullptr, &definition);
 }
 
 }  // namespace hsdp::train

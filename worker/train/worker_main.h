@@ -8,16 +8,28 @@
 //     });
 //   }
 //
+// A task with typed options (task_options.h) passes its TaskDefinition
+// instead: --help then describes the task and lists its options beside the
+// runner's flags, without the built-in GPT's (--model, --dims, --vocab-size,
+// --data, --units), and an unknown or mistyped --task-option is a bad command
+// line naming it.
+//
+//   int main(int argc, char** argv) {
+//     return hsdp::train::WorkerMain(argc, argv, MyTask::Definition());
+//   }
+//
 // Exit status: 0 on success, 1 on a runtime error (one line "NAME: reason" on
 // stderr), 2 on a bad command line.
 #ifndef HSDP_WORKER_TRAIN_WORKER_MAIN_H_
 #define HSDP_WORKER_TRAIN_WORKER_MAIN_H_
 
 #include "worker/train/task.h"
+#include "worker/train/task_options.h"
 
 namespace hsdp::train {
 
 int WorkerMain(int argc, char** argv, const TaskFactory& factory);
+int WorkerMain(int argc, char** argv, const TaskDefinition& definition);
 
 }  // namespace hsdp::train
 

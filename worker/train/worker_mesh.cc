@@ -59,6 +59,29 @@ absl::StatusOr<double> MeshAverage(comm::DeviceMesh& mesh, double value,
                             // stream order
 }
 
+absl::StatusOr<std::vector<double>> MeshGather(
+    comm::DeviceMesh& mesh, const std::vector<double>& values,
+    const c10::Device& device) {
+  const int64_t per_rank = static_cast<int64_t>(values.size());
+  const int shards = mesh.shard().size();
+  const int64_t world = static_cast<int64_t>(shards) * mesh.replicate().size();
+  const int64_t rank = static_cast<int64_t>(mesh.replicate().rank()) * shards +
+                       mesh.shard().rank();
+  at::Tensor all = at::zeros({world * per_rank}, at::kDouble);
+  for (int64_t i = 0; i < per_rank; ++i) {
+    all[rank * per_rank + i] = values[static_cast<size_t>(i)];
+  }
+  all = all.to(device);
+  comm::Buffer buf{all.data_ptr(), all.numel(), comm::DataType::kFloat64};
+  HSDP_RETURN_IF_ERROR(
+      mesh.shard().AllReduce(buf, comm::ReduceOp::kSum)->Wait());
+  HSDP_RETURN_IF_ERROR(
+      mesh.replicate().AllReduce(buf, comm::ReduceOp::kSum)->Wait());
+  const at::Tensor host = all.to(at::kCPU);
+  const double* data = host.data_ptr<double>();
+  return std::vector<double>(data, data + host.numel());
+}
+
 absl::Status CheckSameOnAllRanks(comm::DeviceMesh& mesh, double value,
                                  const c10::Device& device,
                                  const std::string& what) {

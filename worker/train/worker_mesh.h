@@ -7,6 +7,8 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "worker/comm/device_mesh.h"
@@ -26,6 +28,14 @@ absl::StatusOr<std::unique_ptr<comm::DeviceMesh>> BuildWorkerMesh(
 // memory only.
 absl::StatusOr<double> MeshAverage(comm::DeviceMesh& mesh, double value,
                                    const c10::Device& device);
+
+// Every rank's `values` (the same count on every rank), concatenated in
+// global rank order (replicate index × shard size + shard index). A
+// collective: a sum over the mesh of vectors that are zero but for each rank's
+// own slice, so the values arrive exactly.
+absl::StatusOr<std::vector<double>> MeshGather(
+    comm::DeviceMesh& mesh, const std::vector<double>& values,
+    const c10::Device& device);
 
 // OK when every rank passed the same `value`; else FAILED_PRECONDITION with
 // `what` and this rank's value. A collective (two MeshAverages: mean and mean

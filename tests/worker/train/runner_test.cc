@@ -9,10 +9,12 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "gtest/gtest.h"
 #include "worker/models/builtin_tasks.h"
 #include "worker/train/training_options.h"
+#include "worker/train/worker_main.h"
 
 namespace hsdp::train {
 namespace {
@@ -112,6 +114,38 @@ TEST(ReferenceTest, BadTaskArgumentsAreErrorsNamingThem) {
   EXPECT_NE(option.status().message().find("colour"), std::string::npos);
 }
 
+// WorkerMain on `args` (after the program name): its exit code and stderr.
+std::pair<int, std::string> Main(std::vector<std::string> args) {
+  args.insert(args.begin(), "hsdp-worker");
+  std::vector<char*> argv;
+  for (std::string& a : args) argv.push_back(a.data());
+  ::testing::internal::CaptureStderr();
+  const int code = WorkerMain(static_cast<int>(argv.size()), argv.data(),
+                              models::MakeBuiltinTask);
+  return {code, ::testing::internal::GetCapturedStderr()};
+}
+
+TEST(WorkerMainTest, ReferenceWithoutWorldSizeAndBadOnNonFiniteAreRefused) {
+  constexpr int kExitUsage = 2;
+  auto [code, err] = Main({"--reference", "--steps", "1"});
+  EXPECT_EQ(code, kExitUsage);
+  EXPECT_TRUE(absl::StrContains(err, "--reference needs --world-size N"))
+      << err;
+  std::tie(code, err) = Main({"--on-nonfinite", "ignore"});
+  EXPECT_EQ(code, kExitUsage);
+  EXPECT_TRUE(absl::StrContains(
+      err, "--on-nonfinite: 'ignore' is not stop or skip-step"))
+      << err;
+  // With it, the reference runs.
+  const std::string report = FreshFile("main-ref.jsonl");
+  std::tie(code, err) =
+      Main({"--reference", "--world-size", "2", "--steps", "1", "--model",
+            "gpt-tiny", "--dims", "32,1,2,16", "--microbatch-size", "1",
+            "--report-file", report});
+  EXPECT_EQ(code, 0) << err;
+  EXPECT_EQ(Losses(report).size(), 1u);
+}
+
 TEST(TrainingOptionsTest, LearningRateScheduleWarmsUpThenDecays) {
   LrScheduleOptions constant;
   EXPECT_DOUBLE_EQ(constant.LearningRate(0.1, 0, 10), 0.1);
@@ -167,8 +201,10 @@ TEST(TrainingOptionsTest, ProtoCarriesEverySetting) {
   TaskArgs args;
   args.dims = "32,1,2,16";
   args.options["tie_embeddings"] = "true";
+  t.on_nonfinite = NonFiniteAction::kSkipStep;
   hsdp::v1::TrainingSpec spec = ToProto(t, args, "gpt-tiny", 2);
   EXPECT_EQ(spec.task(), "gpt-tiny");
+  EXPECT_EQ(spec.on_nonfinite(), "skip-step");
   EXPECT_EQ(spec.task_version(), 2);
   EXPECT_EQ(spec.optimizer().kind(), hsdp::v1::OPTIMIZER_KIND_SGD);
   EXPECT_DOUBLE_EQ(spec.optimizer().momentum(), 0.9);
