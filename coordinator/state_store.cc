@@ -17,6 +17,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/strip.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "common/status_util.h"
 #include "google/protobuf/io/coded_stream.h"
 #include "google/protobuf/io/zero_copy_stream_impl_lite.h"
@@ -34,6 +36,8 @@ constexpr char kStepsDir[] = "steps";
 constexpr char kStepSuffix[] = ".binpb";
 constexpr char kTempSuffix[] = ".tmp";
 constexpr char kLockFile[] = "LOCK";
+// Where TruncateSealedSteps moves what it drops (never deletes).
+constexpr char kTruncatedDirPrefix[] = "truncated-";
 
 // A sealed step file: this magic, the payload's length and CRC-32C (both
 // 32-bit little-endian), then the serialized StepSchedule. The length tells a
@@ -397,6 +401,44 @@ absl::Status StateStore::SaveSealedStep(int64_t step, int64_t generation,
       SealedStepPath(step, generation), FrameStepFile(bytes), options_.sync));
   if (status.ok()) sealed_.emplace(key, bytes);
   return status;
+}
+
+absl::StatusOr<int> StateStore::TruncateSealedSteps(int64_t last_step) {
+  absl::MutexLock lock(&mu_);
+  if (commit_point_.has_value() && commit_point_->step() > last_step) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "cannot truncate the sealed steps to step ", last_step, ": step ",
+        commit_point_->step(), " committed (", dir_, "/", kCommitFile,
+        "); restore the state directory from a copy instead"));
+  }
+  const fs::path aside =
+      fs::path(dir_) /
+      absl::StrCat(kTruncatedDirPrefix, absl::ToUnixMillis(absl::Now())) /
+      kStepsDir;
+  int moved = 0;
+  for (auto it = sealed_.begin(); it != sealed_.end();) {
+    const auto [step, generation] = it->first;
+    if (step <= last_step) {
+      ++it;
+      continue;
+    }
+    std::error_code ec;
+    if (moved == 0) fs::create_directories(aside, ec);
+    const fs::path from = SealedStepPath(step, generation);
+    fs::path to = aside / from.filename();
+    if (!ec) fs::rename(from, to, ec);
+    if (ec) {
+      return absl::InternalError(absl::StrCat("moving ", from.string(), " to ",
+                                              to.string(), ": ", ec.message()));
+    }
+    ++moved;
+    it = sealed_.erase(it);
+  }
+  if (moved > 0 && options_.sync) {
+    HSDP_RETURN_IF_ERROR(FsyncPath((fs::path(dir_) / kStepsDir).string(),
+                                   O_RDONLY | O_DIRECTORY));
+  }
+  return moved;
 }
 
 std::string StateStore::SealedStepPath(int64_t step, int64_t generation) const {

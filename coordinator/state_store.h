@@ -83,6 +83,14 @@ class StateStore {
 
   // (step, generation) of a sealed record.
   using SealedKey = std::pair<int64_t, int64_t>;
+  // The operator's repair of a damaged directory: moves every sealed step file
+  // of a step after `last_step` (any generation) into
+  // <dir>/truncated-<unix ms>/steps/ and forgets them, so the steps from
+  // last_step + 1 on are sealed again. Returns how many files moved.
+  // FAILED_PRECONDITION (nothing moved) when a step after last_step committed
+  // (commit.binpb): its record cannot be sealed again.
+  absl::StatusOr<int> TruncateSealedSteps(int64_t last_step);
+
   // Where the record of `step` sealed in `generation` lives (whether or not it
   // exists).
   std::string SealedStepPath(int64_t step, int64_t generation) const;
