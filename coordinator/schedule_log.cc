@@ -216,8 +216,7 @@ absl::Status ScheduleLog::RestoreSealedLocked() {
         "sealed step ", point->step(), " is missing: ",
         store_->SealedStepPath(point->step(), owner(point->step())),
         " is not there, but ", store_->dir(),
-        "/commit.binpb says it "
-        "committed; the state directory is damaged"));
+        "/commit.binpb says it committed; the state directory is damaged"));
   }
   return absl::OkStatus();
 }
