@@ -475,8 +475,8 @@ class ChaosSoak {
               << (failed_ ? 1 : 0) << " clear failures; " << hangs_
               << " hangs; " << restarts_ << " automatic restarts; "
               << unreadable_state_ << " unreadable state directories; "
-              << "longest time without a committed step " << max_gap_s_
-              << " s\n";
+              << "longest time without a committed step " << max_gap_s_ << " s"
+              << std::endl;
     if (!impairments_.empty()) {
       std::cout << "chaos: link impairments: " << impairments_ << "\n";
     }
@@ -809,7 +809,8 @@ TEST(ChaosSoakTest, FaultsEndInTheReferenceParametersOrAClearError) {
 
   // A restarted coordinator reads what was left in its state directory.
   const std::string state = soak.RestartAndReadState();
-  std::cout << "chaos: restarted coordinator reads state " << state << "\n";
+  std::cout << "chaos: restarted coordinator reads state " << state
+            << std::endl;
   EXPECT_EQ(state, soak.failed() ? "FAILED" : "FINISHED");
   EXPECT_EQ(soak.unreadable_state(), 0);
   if (!ended) return;
@@ -849,7 +850,9 @@ TEST(ChaosSoakTest, FaultsEndInTheReferenceParametersOrAClearError) {
                                    " on ", segment.world / kShards, "x",
                                    kShards));
   }
-  std::cout << "chaos: mesh history " << absl::StrJoin(history, ", ") << "\n";
+  // Flushed: the replay below takes as long as the run.
+  std::cout << "chaos: mesh history " << absl::StrJoin(history, ", ")
+            << std::endl;
   const std::string replay =
       ReplayMeshSequence(segments, c.dir(), soak.Flags());
   ASSERT_FALSE(replay.empty());
