@@ -88,7 +88,12 @@ void CoreEvents::OnGenerationFormed(const hsdp::v1::Generation& generation) {
             << " formed: mesh " << generation.mesh().replicate() << "x"
             << generation.mesh().shard() << ", from step "
             << generation.start_step() << ", " << heal_targets
-            << " rank(s) to heal\n";
+            << " rank(s) to heal"
+            << (generation.restore_from_checkpoint()
+                    ? absl::StrCat(", restored from the checkpoint of step ",
+                                   generation.start_step() - 1)
+                    : std::string())
+            << "\n";
 }
 
 void CoreEvents::OnStepCommitted(int64_t /*generation*/, int64_t step) {

@@ -49,6 +49,7 @@ struct Flags {
   int min_replicas = 1;
   double join_wait_s = 60;
   double reform_window_s = 5;
+  int64_t truncate_sealed_after = -1;
   std::string tls_cert;
   std::string tls_key;
   std::string tls_client_ca;
@@ -117,6 +118,11 @@ absl::StatusOr<JobConfig> BuildJobConfig(const Flags& f) {
   if (f.reform_window_s < 0)
     return absl::InvalidArgumentError("--reform-window must be >= 0");
   job.reform_window = absl::Seconds(f.reform_window_s);
+  if (f.truncate_sealed_after >= 0 && job.state_dir.empty()) {
+    return absl::InvalidArgumentError(
+        "--truncate-sealed-after needs --state-dir");
+  }
+  job.truncate_sealed_after = f.truncate_sealed_after;
   return job;
 }
 
@@ -210,6 +216,12 @@ int main(int argc, char** argv) {
   app.add_option("--state-dir", f.state_dir,
                  "Persist state here (survives restarts)")
       ->envname("HSDP_STATE_DIR");
+  // No environment fallback: an operator's repair, named on the command line
+  // of one start.
+  app.add_option("--truncate-sealed-after", f.truncate_sealed_after,
+                 "Repair a state directory refused at start: move the sealed "
+                 "step files after STEP aside and seal those steps again "
+                 "(refused if a later step committed)");
   app.add_option("--metrics-listen", f.metrics_listen,
                  "HOST:PORT of /metrics and the dashboard (\"\": off)")
       ->envname("HSDP_METRICS_LISTEN");

@@ -36,8 +36,16 @@
 //   (last_checkpoint_step).
 //
 // Persistence (optional StateStore): policy history, drain step, checkpoint
-// requests and records, and every sealed step; Create() restores them, so a
-// restarted coordinator serves byte-identical sealed steps.
+// requests and records, generation starts, and every sealed step; Create()
+// restores them, so a restarted coordinator serves byte-identical sealed
+// steps. A generation's start is persisted before any record sealed in it.
+// Restoring refuses (DATA_LOSS, naming the file and the step) what a crash
+// cannot leave: a step from 0 through the last sealed one without its record,
+// a committed step without one, a record of a generation that never began or
+// from before its generation's start, generation starts out of order, and a
+// truncated or corrupt step file (StateStore). A crash leaves at most a
+// leftover temp file, which the store passes over: every file is written to a
+// temp file, synced and renamed, so the newest record is whole or absent.
 #ifndef HSDP_COORDINATOR_SCHEDULE_LOG_H_
 #define HSDP_COORDINATOR_SCHEDULE_LOG_H_
 
@@ -249,6 +257,9 @@ class ScheduleLog {
   void TruncateLocked(int64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status RestoreLocked(const hsdp::v1::Policy& initial_policy)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Restores the sealed records (store_ set, generation_starts_ restored);
+  // DATA_LOSS naming the file and the step for damage a crash cannot leave.
+  absl::Status RestoreSealedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status PersistLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const Options options_;
@@ -275,6 +286,8 @@ class ScheduleLog {
   int64_t next_first_microbatch_ ABSL_GUARDED_BY(mu_) = 0;
   // Every generation begun after the first, in order (persisted).
   std::vector<GenerationContext> generation_starts_ ABSL_GUARDED_BY(mu_);
+  // How many of generation_starts_ the store holds.
+  size_t persisted_starts_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t committed_floor_ ABSL_GUARDED_BY(mu_) = -1;
   // Highest completed step per rank, with its minimum and how many ranks sit at
   // it, kept incrementally so a report costs O(1) amortized even with 1000+

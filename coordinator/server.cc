@@ -84,6 +84,15 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
     HSDP_ASSIGN_OR_RETURN(s->state_store_,
                           StateStore::Open(job.state_dir, store_options));
     store = s->state_store_.get();
+    if (job.truncate_sealed_after >= 0) {
+      HSDP_ASSIGN_OR_RETURN(const int moved, store->TruncateSealedSteps(
+                                                 job.truncate_sealed_after));
+      std::cerr << "hsdp-coordinator: --truncate-sealed-after "
+                << job.truncate_sealed_after << ": moved " << moved
+                << " sealed step file(s) into " << job.state_dir
+                << "/truncated-*/; the steps after "
+                << job.truncate_sealed_after << " are sealed again\n";
+    }
   }
   Membership::Options membership_options;
   membership_options.job_id = job.job_id;

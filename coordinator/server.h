@@ -59,6 +59,10 @@ struct JobConfig {
   int min_replicas = 1;
   absl::Duration join_wait = absl::Seconds(60);
   absl::Duration reform_window = absl::Seconds(5);
+  // >= 0: before restoring, move every sealed step file after this step
+  // aside (StateStore::TruncateSealedSteps). An operator's repair of a
+  // damaged state directory; never done otherwise.
+  int64_t truncate_sealed_after = -1;
 };
 
 // How it is served.

@@ -17,6 +17,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/strip.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "common/status_util.h"
 #include "google/protobuf/io/coded_stream.h"
 #include "google/protobuf/io/zero_copy_stream_impl_lite.h"
@@ -34,6 +36,85 @@ constexpr char kStepsDir[] = "steps";
 constexpr char kStepSuffix[] = ".binpb";
 constexpr char kTempSuffix[] = ".tmp";
 constexpr char kLockFile[] = "LOCK";
+// Where TruncateSealedSteps moves what it drops (never deletes).
+constexpr char kTruncatedDirPrefix[] = "truncated-";
+
+// A sealed step file: this magic, the payload's length and CRC-32C (both
+// 32-bit little-endian), then the serialized StepSchedule. The length tells a
+// truncated file from a complete one; the magic starts with a zero byte, which
+// no serialized message starts with, so files written before the header
+// (the bare message) are still read.
+constexpr char kStepMagic[] = {'\0', 'h', 's', 'd', 'p', 's', 't', '1'};
+constexpr size_t kStepMagicSize = sizeof(kStepMagic);
+constexpr size_t kStepHeaderSize = kStepMagicSize + 8;
+constexpr uint32_t kCrc32cPolynomial = 0x82F63B78u;  // reflected
+
+// CRC-32C (the checksum checkpoint blocks use), bitwise: step files are a few
+// KiB and read once per start.
+uint32_t Crc32c(absl::string_view data) {
+  uint32_t crc = ~0u;
+  for (const char byte : data) {
+    crc ^= static_cast<unsigned char>(byte);
+    for (int bit = 0; bit < 8; ++bit) {
+      crc = (crc >> 1) ^ ((crc & 1u) ? kCrc32cPolynomial : 0u);
+    }
+  }
+  return ~crc;
+}
+
+void AppendLittleEndian32(uint32_t value, std::string* out) {
+  for (int i = 0; i < 4; ++i)
+    out->push_back(static_cast<char>(value >> (8 * i)));
+}
+
+uint32_t ReadLittleEndian32(absl::string_view bytes) {
+  uint32_t value = 0;
+  for (int i = 0; i < 4; ++i) {
+    value |= static_cast<uint32_t>(static_cast<unsigned char>(bytes[i]))
+             << (8 * i);
+  }
+  return value;
+}
+
+std::string FrameStepFile(absl::string_view payload) {
+  std::string out(kStepMagic, kStepMagicSize);
+  AppendLittleEndian32(static_cast<uint32_t>(payload.size()), &out);
+  AppendLittleEndian32(Crc32c(payload), &out);
+  out.append(payload.data(), payload.size());
+  return out;
+}
+
+// The payload of a step file's contents, or why the file is damaged (a
+// phrase: "is truncated (...)").
+absl::StatusOr<std::string> UnframeStepFile(absl::string_view contents) {
+  if (contents.empty()) return absl::DataLossError("is empty");
+  // Written before the header: the bare message.
+  if (contents.front() != '\0') return std::string(contents);
+  if (contents.size() < kStepHeaderSize) {
+    return absl::DataLossError(absl::StrCat(
+        "is truncated (", contents.size(), " bytes, shorter than its header)"));
+  }
+  if (contents.substr(0, kStepMagicSize) !=
+      absl::string_view(kStepMagic, kStepMagicSize)) {
+    return absl::DataLossError("has an unknown header");
+  }
+  const uint64_t length = ReadLittleEndian32(contents.substr(kStepMagicSize));
+  const uint32_t crc = ReadLittleEndian32(contents.substr(kStepMagicSize + 4));
+  const uint64_t have = contents.size() - kStepHeaderSize;
+  if (have < length) {
+    return absl::DataLossError(
+        absl::StrCat("is truncated (", have, " of its ", length, " bytes)"));
+  }
+  if (have > length) {
+    return absl::DataLossError(absl::StrCat(
+        "has ", have - length, " bytes past its end (", length, " expected)"));
+  }
+  std::string payload(contents.substr(kStepHeaderSize));
+  if (Crc32c(payload) != crc) {
+    return absl::DataLossError("fails its checksum");
+  }
+  return payload;
+}
 
 absl::Status ErrnoStatus(absl::string_view what, const std::string& path) {
   const int err = errno;
@@ -94,11 +175,16 @@ bool ParseStepFileName(absl::string_view name, int64_t* step,
   return absl::SimpleAtoi(name, step) && *step >= 0;
 }
 
-// Removes leftovers of writes interrupted by a crash.
+// Removes leftovers of writes interrupted by a crash (the only damage the
+// write protocol can leave: the target of an interrupted write is untouched),
+// saying so on stderr.
 absl::Status RemoveTempFiles(const fs::path& dir) {
   std::error_code ec;
   for (const auto& entry : fs::directory_iterator(dir, ec)) {
     if (absl::EndsWith(entry.path().filename().string(), kTempSuffix)) {
+      std::cerr << "hsdp-coordinator: passing over " << entry.path().string()
+                << ": a write a crash interrupted (the file it was to replace "
+                   "is intact)\n";
       std::error_code
           ignored;  // a leftover we cannot remove is still ignored on load
       fs::remove(entry.path(), ignored);
@@ -229,15 +315,22 @@ absl::Status StateStore::Load() {
     const std::string name = entry.path().filename().string();
     int64_t step = -1, generation = -1;
     if (!ParseStepFileName(name, &step, &generation)) continue;  // not ours
-    absl::StatusOr<std::string> bytes = ReadWholeFile(entry.path().string());
-    if (!bytes.ok()) return bytes.status();
+    absl::StatusOr<std::string> contents = ReadWholeFile(entry.path().string());
+    if (!contents.ok()) return contents.status();
+    absl::StatusOr<std::string> bytes = UnframeStepFile(*contents);
+    if (!bytes.ok()) {
+      return absl::DataLossError(absl::StrCat(
+          "sealed step ", step, ": ", entry.path().string(), " ",
+          bytes.status().message(), "; the state directory is damaged"));
+    }
     hsdp::v1::StepSchedule schedule;
     // A name without a generation is generation 0 — or, from before
     // generations were in names, whatever generation the step was sealed in.
     if (!schedule.ParseFromString(*bytes) || schedule.step() != step ||
         (generation >= 0 && schedule.generation() != generation)) {
-      return absl::DataLossError(
-          absl::StrCat("corrupt sealed step file ", entry.path().string()));
+      return absl::DataLossError(absl::StrCat(
+          "sealed step ", step, ": corrupt sealed step file ",
+          entry.path().string(), "; the state directory is damaged"));
     }
     sealed_.emplace(SealedKey(step, schedule.generation()), std::move(*bytes));
   }
@@ -305,10 +398,51 @@ absl::Status StateStore::SaveSealedStep(int64_t step, int64_t generation,
                      generation, " with different contents"));
   }
   absl::Status status = NoteWrite(WriteFileAtomically(
-      (fs::path(dir_) / kStepsDir / StepFileName(step, generation)).string(),
-      bytes, options_.sync));
+      SealedStepPath(step, generation), FrameStepFile(bytes), options_.sync));
   if (status.ok()) sealed_.emplace(key, bytes);
   return status;
+}
+
+absl::StatusOr<int> StateStore::TruncateSealedSteps(int64_t last_step) {
+  absl::MutexLock lock(&mu_);
+  if (commit_point_.has_value() && commit_point_->step() > last_step) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "cannot truncate the sealed steps to step ", last_step, ": step ",
+        commit_point_->step(), " committed (", dir_, "/", kCommitFile,
+        "); restore the state directory from a copy instead"));
+  }
+  const fs::path aside =
+      fs::path(dir_) /
+      absl::StrCat(kTruncatedDirPrefix, absl::ToUnixMillis(absl::Now())) /
+      kStepsDir;
+  int moved = 0;
+  for (auto it = sealed_.begin(); it != sealed_.end();) {
+    const auto [step, generation] = it->first;
+    if (step <= last_step) {
+      ++it;
+      continue;
+    }
+    std::error_code ec;
+    if (moved == 0) fs::create_directories(aside, ec);
+    const fs::path from = SealedStepPath(step, generation);
+    fs::path to = aside / from.filename();
+    if (!ec) fs::rename(from, to, ec);
+    if (ec) {
+      return absl::InternalError(absl::StrCat("moving ", from.string(), " to ",
+                                              to.string(), ": ", ec.message()));
+    }
+    ++moved;
+    it = sealed_.erase(it);
+  }
+  if (moved > 0 && options_.sync) {
+    HSDP_RETURN_IF_ERROR(FsyncPath((fs::path(dir_) / kStepsDir).string(),
+                                   O_RDONLY | O_DIRECTORY));
+  }
+  return moved;
+}
+
+std::string StateStore::SealedStepPath(int64_t step, int64_t generation) const {
+  return (fs::path(dir_) / kStepsDir / StepFileName(step, generation)).string();
 }
 
 std::map<StateStore::SealedKey, std::string> StateStore::SealedSteps() const {

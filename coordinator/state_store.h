@@ -2,14 +2,16 @@
 // - <dir>/state.binpb: PersistedState (job, policies, generation, model,
 //   members, drain step, checkpoint records), rewritten atomically;
 // - <dir>/steps/<step>.binpb (generation 0) or <step>-g<generation>.binpb:
-//   one serialized StepSchedule per step and generation that sealed it,
-//   written once (a step sealed again in a later generation gets a new file;
-//   the old one stays);
+//   one serialized StepSchedule per step and generation that sealed it, after
+//   a header with its length and CRC-32C, written once (a step sealed again in
+//   a later generation gets a new file; the old one stays);
 // - <dir>/commit.binpb: the last committed step (CommitPoint), rewritten once
 //   per committed step — small, so the per-step fsync stays cheap.
 // Every write goes to "<file>.tmp", is fsync'ed, renamed over the target, and
 // the directory is fsync'ed, so a crash leaves either the old or the new file.
-// Leftover *.tmp files (a crash mid-write) are ignored and removed on Open.
+// Leftover *.tmp files (a crash mid-write) are removed on Open, with a line
+// on stderr; a step file shorter than its header says, or that fails its
+// checksum or does not parse, is DATA_LOSS (a crash cannot leave one).
 // <dir>/LOCK is flock'ed for the store's lifetime: a second coordinator on the
 // same directory is refused before it removes or writes anything (its
 // clean-up of *.tmp files would break the first one's write in flight).
@@ -50,9 +52,9 @@ class StateStore {
 
   // Opens (creating if needed) `dir`, locks it and loads what is there. A
   // directory another StateStore holds (this process or another) is
-  // FAILED_PRECONDITION naming the holder's pid; a corrupt state.binpb or step
-  // file is DATA_LOSS naming the file; unreadable dir is the underlying errno
-  // status.
+  // FAILED_PRECONDITION naming the holder's pid; a corrupt state.binpb, or a
+  // truncated, corrupt or empty step file, is DATA_LOSS naming the file (and
+  // the step); unreadable dir is the underlying errno status.
   static absl::StatusOr<std::unique_ptr<StateStore>> Open(
       const std::string& dir, Options options);
   static absl::StatusOr<std::unique_ptr<StateStore>> Open(
@@ -81,6 +83,18 @@ class StateStore {
 
   // (step, generation) of a sealed record.
   using SealedKey = std::pair<int64_t, int64_t>;
+  // The operator's repair of a damaged directory: moves every sealed step file
+  // of a step after `last_step` (any generation) into
+  // <dir>/truncated-<unix ms>/steps/ and forgets them, so the steps from
+  // last_step + 1 on are sealed again. Returns how many files moved.
+  // FAILED_PRECONDITION (nothing moved) when a step after last_step committed
+  // (commit.binpb): its record cannot be sealed again.
+  absl::StatusOr<int> TruncateSealedSteps(int64_t last_step);
+
+  // Where the record of `step` sealed in `generation` lives (whether or not it
+  // exists).
+  std::string SealedStepPath(int64_t step, int64_t generation) const;
+
   // The sealed records loaded at Open plus those saved since.
   std::map<SealedKey, std::string> SealedSteps() const;
 

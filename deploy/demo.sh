@@ -52,12 +52,26 @@ wait "$LAUNCH_PID"
 trap - INT TERM
 
 python3 - "$RUN_DIR" <<'PY'
-import glob, json, os, sys
+import glob, json, os, re, sys
 run = sys.argv[1]
+# Each launched worker's rows over all its processes: worker-R.jsonl, then
+# worker-R.restart-K.jsonl for each restart the launcher made.
 ranks = {}
 for path in sorted(glob.glob(os.path.join(run, "worker-*.jsonl"))):
+    worker = int(re.match(r"worker-(\d+)", os.path.basename(path)).group(1))
     rows = [json.loads(l) for l in open(path) if l.strip()]
-    ranks[rows[0]["rank"]] = rows
+    ranks.setdefault(worker, []).extend(rows)
+for rows in ranks.values():
+    rows.sort(key=lambda r: r["step"])
+# The launcher notes each restart in the worker's log, with how the previous
+# process ended.
+restarts = []
+for path in sorted(glob.glob(os.path.join(run, "worker-*.log"))):
+    worker = int(re.match(r"worker-(\d+)", os.path.basename(path)).group(1))
+    for line in open(path, errors="replace"):
+        m = re.match(r"hsdp-launch: restart \d+ of \d+ \(the previous process (.*)\)", line)
+        if m:
+            restarts.append(f"worker {worker} ({m.group(1)})")
 r0 = ranks[0]
 changed = next((r["step"] for r in r0 if "1" not in r["reshard_after_forward"]), None)
 if changed is None:
@@ -83,6 +97,8 @@ for rank in sorted(ranks):
           f" / {max(r['rss_peak_bytes'] for r in b) / mib:.0f} MiB,"
           f" after {max(r['peak_memory_bytes'] for r in a) / mib:.2f} MiB"
           f" / {max(r['rss_peak_bytes'] for r in a) / mib:.0f} MiB")
+if restarts:
+    print(f"failures: {len(restarts)}, each restarted by hsdp-launch: {', '.join(restarts)}")
 if not r0[-1]["loss"] < r0[0]["loss"] - 1.0:
     sys.exit("demo: loss did not fall")
 PY

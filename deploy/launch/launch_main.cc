@@ -7,15 +7,24 @@
 // Starts hsdp-coordinator and N hsdp-worker processes (found next to this
 // binary; --worker-binary runs a user's worker, one built on
 // hsdp::train::WorkerMain, instead), shows one live progress line read from the
-// workers' report files, forwards Ctrl-C / SIGTERM to every child and cleans
-// up, and exits non-zero naming the first worker that failed and why (the last
-// line of its log). Everything a run writes (logs, reports, coordinator state)
-// lands in --run-dir; the coordinator's dashboard URL is printed and written to
-// RUN_DIR/dashboard.url.
+// workers' report files and the coordinator's status (generation, mesh),
+// forwards Ctrl-C / SIGTERM to every child and cleans up. Everything a run
+// writes (logs, reports, coordinator state) lands in --run-dir; the
+// coordinator's dashboard URL is printed and written to RUN_DIR/dashboard.url.
 //
-// Single-threaded: the main loop polls children and report files; signal
-// handlers only set a flag.
+// Elastic: a worker that dies is started again with its own command line (its
+// report file aside: RUN_DIR/worker-R.restart-K.jsonl) up to --max-restarts
+// times in all; it joins again and is healed by its peers while the others
+// keep training. A worker that fails before the job's first committed step
+// (a bad flag, an unknown model) is not restarted, and --max-restarts 0 stops
+// every process at the first worker that fails. Exits 0 when the job finishes,
+// and otherwise non-zero naming the worker that failed past the restarts (the
+// last line of its log) or the coordinator's reason (a FAILED job).
+//
+// Single-threaded: the main loop polls children, report files and the
+// coordinator's status; signal handlers only set a flag.
 #include <fcntl.h>
+#include <grpcpp/grpcpp.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
@@ -36,6 +45,7 @@
 #include <iostream>
 #include <map>
 #include <optional>
+#include <set>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -49,6 +59,8 @@
 #include "absl/strings/str_join.h"
 #include "common/mesh.h"
 #include "common/token.h"
+#include "coordinator/grpc_status.h"
+#include "hsdp/v1/control_service.grpc.pb.h"
 
 namespace {
 
@@ -62,6 +74,12 @@ constexpr auto kCoordinatorStartTimeout = std::chrono::seconds(30);
 // down.
 constexpr auto kTerminateGrace = std::chrono::seconds(5);
 constexpr double kMiB = 1024.0 * 1024.0;
+// Restarts of dead workers in all, unless --max-restarts says otherwise.
+constexpr int kDefaultMaxRestarts = 3;
+// How often the coordinator's status is read, and how long one read may take.
+constexpr auto kStatusInterval = std::chrono::seconds(1);
+constexpr auto kStatusTimeout = std::chrono::seconds(2);
+constexpr char kReportFileFlag[] = "--report-file";
 
 volatile std::sig_atomic_t g_signal = 0;
 void OnSignal(int sig) { g_signal = sig; }
@@ -72,6 +90,10 @@ struct Child {
   std::string log;
   bool running = false;
   int exit_status = 0;  // raw waitpid status once exited
+  // The worker's rank hint; -1 for the coordinator.
+  int rank = -1;
+  // Its command line (restarts run it again).
+  std::vector<std::string> argv;
 };
 
 // Forks and execs `argv` with stdout+stderr appended to `log`. The child dies
@@ -173,21 +195,21 @@ class Cluster {
   void Add(Child child) { children_.push_back(std::move(child)); }
   std::vector<Child>& children() { return children_; }
 
-  // Reaps exited children; returns the first that exited non-zero since the
-  // last call, if any.
-  std::optional<Child> Reap() {
-    std::optional<Child> failed;
-    for (Child& c : children_) {
+  // Reaps exited children; returns the indices (into children()) of those
+  // that exited since the last call, in order.
+  std::vector<size_t> Reap() {
+    std::vector<size_t> exited;
+    for (size_t i = 0; i < children_.size(); ++i) {
+      Child& c = children_[i];
       if (!c.running) continue;
       int status = 0;
       if (waitpid(c.pid, &status, WNOHANG) == c.pid) {
         c.running = false;
         c.exit_status = status;
-        const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
-        if (!ok && !failed) failed = c;
+        exited.push_back(i);
       }
     }
-    return failed;
+    return exited;
   }
 
   // SIGTERM to all running children, SIGKILL after the grace period.
@@ -217,6 +239,97 @@ class Cluster {
   std::vector<Child> children_;
 };
 
+bool ExitedOk(int status) {
+  return WIFEXITED(status) && WEXITSTATUS(status) == 0;
+}
+
+// The coordinator's GetStatus, with the control token when there is one.
+class StatusClient {
+ public:
+  StatusClient(const std::string& address, std::string token)
+      : stub_(hsdp::v1::ControlService::NewStub(
+            grpc::CreateChannel(address, grpc::InsecureChannelCredentials()))),
+        token_(std::move(token)) {}
+
+  absl::StatusOr<hsdp::v1::GetStatusResponse> Get() {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + kStatusTimeout);
+    if (!token_.empty()) {
+      context.AddMetadata("authorization", absl::StrCat("Bearer ", token_));
+    }
+    hsdp::v1::GetStatusResponse response;
+    absl::Status status = hsdp::coordinator::FromGrpcStatus(
+        stub_->GetStatus(&context, hsdp::v1::GetStatusRequest(), &response));
+    if (!status.ok()) return status;
+    return response;
+  }
+
+ private:
+  std::unique_ptr<hsdp::v1::ControlService::Stub> stub_;
+  const std::string token_;
+};
+
+// The file's contents without surrounding whitespace, or "" when it cannot be
+// read.
+std::string ReadToken(const std::string& path) {
+  std::ifstream in(path);
+  std::string token;
+  in >> token;
+  return token;
+}
+
+std::string MeshOf(const hsdp::v1::GetStatusResponse& status) {
+  return absl::StrCat(status.replicas(), "x", status.mesh().shard());
+}
+
+// Reads what the workers append to their report files: the first step each
+// generation trained, its world size, and which files have lines of it.
+// Every member of a generation trains its first step, so the first line of a
+// generation in any file names the generation's start step.
+class ReportScanner {
+ public:
+  struct Generation {
+    int64_t first_step = 0;
+    int world_size = 0;
+    std::set<std::string> files;
+  };
+
+  // Reads the complete lines appended to `paths` since the last call.
+  void Scan(const std::vector<std::string>& paths) {
+    for (const std::string& path : paths) {
+      std::ifstream in(path, std::ios::binary);
+      if (!in) continue;
+      std::streamoff& offset = offsets_[path];
+      in.seekg(offset);
+      std::string line;
+      while (std::getline(in, line)) {
+        if (in.eof()) break;  // a line still being written: read it next time
+        offset += static_cast<std::streamoff>(line.size()) + 1;
+        const std::optional<double> generation = JsonNumber(line, "generation");
+        const std::optional<double> step = JsonNumber(line, "step");
+        if (!generation.has_value() || !step.has_value()) continue;
+        auto [it, added] =
+            generations_.try_emplace(static_cast<int64_t>(*generation));
+        Generation& g = it->second;
+        if (added || *step < g.first_step) {
+          g.first_step = static_cast<int64_t>(*step);
+        }
+        g.world_size = static_cast<int>(
+            JsonNumber(line, "world_size").value_or(g.world_size));
+        g.files.insert(path);
+      }
+    }
+  }
+
+  const std::map<int64_t, Generation>& generations() const {
+    return generations_;
+  }
+
+ private:
+  std::map<std::string, std::streamoff> offsets_;
+  std::map<int64_t, Generation> generations_;
+};
+
 struct Options {
   int workers = 0;
   std::string mesh;
@@ -233,13 +346,17 @@ struct Options {
   std::string bin_dir;
   // Empty: hsdp-worker next to the coordinator.
   std::string worker_binary;
+  // Restarts of dead workers in all; 0: the first failure stops the job.
+  int max_restarts = kDefaultMaxRestarts;
   std::vector<std::string> worker_args;
 };
 
-// One status line: step, mean loss, tokens/s (sum over ranks), step time,
-// per-rank peak memory.
-std::string ProgressLine(const Options& o,
-                         const std::vector<std::string>& reports) {
+// One status line: step, generation and mesh (once the coordinator said),
+// restarts (when any), mean loss, tokens/s (sum over ranks), step time,
+// per-rank peak memory. `reports` are the live incarnations' report files.
+std::string ProgressLine(
+    const Options& o, const std::vector<std::string>& reports,
+    const std::optional<hsdp::v1::GetStatusResponse>& status, int restarts) {
   double loss = 0, tps = 0, step_s = 0;
   int64_t step = -1;
   int have = 0;
@@ -261,9 +378,15 @@ std::string ProgressLine(const Options& o,
         JsonNumber(line, "rss_peak_bytes").value_or(0) / kMiB));
   }
   if (have == 0) return "waiting for workers...";
+  std::string job;
+  if (status.has_value()) {
+    absl::StrAppend(&job, "  gen ", status->generation(), " ", MeshOf(*status));
+  }
+  if (restarts > 0) absl::StrAppend(&job, "  restarts ", restarts);
   return absl::StrFormat(
-      "step %d/%d  loss %.4f  %.0f tok/s  step %.3fs  peak MiB (params/rss) %s",
-      step + 1, o.steps, loss, tps, step_s, absl::StrJoin(mem, " "));
+      "step %d/%d%s  loss %.4f  %.0f tok/s  step %.3fs  peak MiB (params/rss) "
+      "%s",
+      step + 1, o.steps, job, loss, tps, step_s, absl::StrJoin(mem, " "));
 }
 
 // The first line of `path`, or "" when it cannot be read.
@@ -283,10 +406,11 @@ absl::StatusOr<int> WaitForPort(const std::string& port_file,
     std::string text;
     int port;
     if (in >> text && absl::SimpleAtoi(text, &port) && port > 0) return port;
-    if (auto failed = cluster.Reap()) {
+    if (!cluster.Reap().empty()) {
+      const Child& failed = cluster.children().front();
       return absl::UnavailableError(absl::StrCat(
-          "coordinator failed to start (", DescribeExit(failed->exit_status),
-          "): ", LastLine(failed->log)));
+          "coordinator failed to start (", DescribeExit(failed.exit_status),
+          "): ", LastLine(failed.log)));
     }
     if (g_signal != 0) return absl::CancelledError("interrupted");
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
@@ -388,7 +512,9 @@ int Run(const Options& o) {
     cargs.push_back("--policy-file");
     cargs.push_back(o.policy_file);
   }
-  Child coordinator{"coordinator", -1, run_dir + "/coordinator.log"};
+  Child coordinator;
+  coordinator.name = "coordinator";
+  coordinator.log = run_dir + "/coordinator.log";
   auto cpid = Spawn(cargs, coordinator.log);
   if (!cpid.ok()) {
     std::cerr << "hsdp-launch: " << cpid.status().message() << std::endl;
@@ -413,6 +539,7 @@ int Run(const Options& o) {
               << std::endl;
   }
 
+  // The live incarnation's report file of each rank.
   std::vector<std::string> reports;
   for (int r = 0; r < o.workers; ++r) {
     const std::string report = absl::StrCat(run_dir, "/worker-", r, ".jsonl");
@@ -429,7 +556,7 @@ int Run(const Options& o) {
                                       std::to_string(o.steps),
                                       "--gloo-hostname",
                                       "127.0.0.1",
-                                      "--report-file",
+                                      kReportFileFlag,
                                       report};
     if (!o.model.empty()) {
       wargs.push_back("--model");
@@ -444,8 +571,11 @@ int Run(const Options& o) {
       wargs.push_back(run_dir + "/checkpoints");
     }
     wargs.insert(wargs.end(), o.worker_args.begin(), o.worker_args.end());
-    Child w{absl::StrCat("worker ", r), -1,
-            absl::StrCat(run_dir, "/worker-", r, ".log")};
+    Child w;
+    w.name = absl::StrCat("worker ", r);
+    w.log = absl::StrCat(run_dir, "/worker-", r, ".log");
+    w.rank = r;
+    w.argv = wargs;
     auto wpid = Spawn(wargs, w.log);
     if (!wpid.ok()) {
       std::cerr << "hsdp-launch: " << wpid.status().message() << std::endl;
@@ -457,10 +587,58 @@ int Run(const Options& o) {
   }
 
   const bool tty = isatty(STDERR_FILENO);
+  StatusClient coordinator_status(
+      absl::StrCat("127.0.0.1:", *port),
+      o.control_token_file.empty() ? "" : ReadToken(o.control_token_file));
+  std::optional<hsdp::v1::GetStatusResponse> status;
+  auto next_status = std::chrono::steady_clock::now();
+  // What happened to the workers since the last generation line.
+  std::vector<std::string> events;
+  int failures = 0;
+  int restarts = 0;
+  // Every report file of every incarnation, and the restarted ones' ranks
+  // and restart numbers.
+  std::vector<std::string> all_reports = reports;
+  std::map<std::string, std::pair<int, int>> restarted_reports;
+  ReportScanner scanner;
+  int64_t said_generation = 0;
+  auto refresh_status = [&]() {
+    absl::StatusOr<hsdp::v1::GetStatusResponse> now = coordinator_status.Get();
+    if (now.ok()) status = *std::move(now);  // else the next poll tries again
+  };
+  // Says each generation that trained a step: its mesh, its start step, what
+  // led to it and which restarted workers rejoined in it.
+  auto say_generations = [&]() {
+    scanner.Scan(all_reports);
+    for (const auto& [number, g] : scanner.generations()) {
+      if (number <= said_generation) continue;
+      said_generation = number;
+      const int shard = mesh->shard;
+      std::string line = absl::StrCat("hsdp-launch: generation ", number, ": ",
+                                      g.world_size / shard, "x", shard,
+                                      " from step ", g.first_step);
+      if (!events.empty()) {
+        absl::StrAppend(&line, " after ", absl::StrJoin(events, ", "));
+        events.clear();
+      }
+      for (const std::string& file : g.files) {
+        auto restarted = restarted_reports.find(file);
+        if (restarted == restarted_reports.end()) continue;
+        absl::StrAppend(&line, "; worker ", restarted->second.first,
+                        " rejoined (restart ", restarted->second.second, ")");
+        restarted_reports.erase(restarted);
+      }
+      std::cerr << (tty ? "\r\033[K" : "") << line << std::endl;
+    }
+  };
+  auto is_state = [&](hsdp::v1::JobState state) {
+    return status.has_value() && status->state() == state;
+  };
+
   std::string last_printed;
   auto last_print = std::chrono::steady_clock::now();
   auto show = [&](bool final_line) {
-    const std::string line = ProgressLine(o, reports);
+    const std::string line = ProgressLine(o, reports, status, restarts);
     const auto now = std::chrono::steady_clock::now();
     if (tty) {
       std::cerr << "\r\033[K" << line << (final_line ? "\n" : "") << std::flush;
@@ -473,6 +651,12 @@ int Run(const Options& o) {
       last_printed = line;
     }
   };
+  auto fail_job = [&](const std::string& why) {
+    show(true);
+    std::cerr << "hsdp-launch: " << why << std::endl;
+    cluster.Terminate();
+    return kExitFailure;
+  };
 
   while (true) {
     if (g_signal != 0) {
@@ -482,33 +666,115 @@ int Run(const Options& o) {
       cluster.Terminate();
       return 128 + g_signal;
     }
-    if (std::optional<Child> failed = cluster.Reap()) {
-      show(true);
-      std::cerr << "hsdp-launch: " << failed->name << " failed ("
-                << DescribeExit(failed->exit_status)
-                << "): " << LastLine(failed->log) << " [log: " << failed->log
-                << "]" << std::endl;
-      cluster.Terminate();
-      return kExitFailure;
+    for (const size_t index : cluster.Reap()) {
+      Child& c = cluster.children()[index];
+      if (c.rank < 0) {
+        return fail_job(absl::StrCat("coordinator exited while workers run (",
+                                     DescribeExit(c.exit_status),
+                                     "): ", LastLine(c.log)));
+      }
+      if (ExitedOk(c.exit_status)) continue;
+      ++failures;
+      const std::string what =
+          absl::StrCat(c.name, " failed (", DescribeExit(c.exit_status),
+                       "): ", LastLine(c.log), " [log: ", c.log, "]");
+      if (o.max_restarts == 0) return fail_job(what);
+      // The coordinator says whether the job can go on at all.
+      refresh_status();
+      if (is_state(hsdp::v1::JOB_STATE_FAILED)) {
+        return fail_job(absl::StrCat("the job failed: ", status->message(),
+                                     " (", c.name, ": ",
+                                     DescribeExit(c.exit_status), ")"));
+      }
+      if (status.has_value() && status->last_committed_step() < 0) {
+        // Before the first step a failure is the set-up's (a flag, the
+        // model): a new process would fail the same way.
+        return fail_job(absl::StrCat(what,
+                                     "; not restarted: the job has not "
+                                     "committed a step yet"));
+      }
+      if (restarts >= o.max_restarts) {
+        return fail_job(absl::StrCat(what, "; all ", o.max_restarts,
+                                     " restarts (--max-restarts) are used"));
+      }
+      if (is_state(hsdp::v1::JOB_STATE_FINISHED) ||
+          is_state(hsdp::v1::JOB_STATE_DRAINING)) {
+        // No step is left for a new process to join.
+        std::cerr << "hsdp-launch: " << what << "; not restarted: the job is "
+                  << (is_state(hsdp::v1::JOB_STATE_FINISHED) ? "finished"
+                                                             : "draining")
+                  << std::endl;
+        continue;
+      }
+      ++restarts;
+      const std::string report = absl::StrCat(run_dir, "/worker-", c.rank,
+                                              ".restart-", restarts, ".jsonl");
+      fs::remove(report, ec);
+      auto flag = std::find(c.argv.begin(), c.argv.end(), kReportFileFlag);
+      if (flag != c.argv.end() && std::next(flag) != c.argv.end()) {
+        *std::next(flag) = report;
+      }
+      reports[c.rank] = report;
+      all_reports.push_back(report);
+      restarted_reports[report] = {c.rank, restarts};
+      std::ofstream(c.log, std::ios::app)
+          << "hsdp-launch: restart " << restarts << " of " << o.max_restarts
+          << " (the previous process " << DescribeExit(c.exit_status) << ")"
+          << std::endl;
+      auto pid = Spawn(c.argv, c.log);
+      if (!pid.ok()) return fail_job(std::string(pid.status().message()));
+      c.pid = *pid;
+      c.running = true;
+      events.push_back(absl::StrCat(c.name, " was lost (",
+                                    DescribeExit(c.exit_status), ")"));
+      std::cerr << (tty ? "\r\033[K" : "") << "hsdp-launch: " << what
+                << "; restarting it (restart " << restarts << " of "
+                << o.max_restarts << ", report " << report << ")" << std::endl;
     }
     bool workers_running = false;
-    for (const Child& c : cluster.children())
-      workers_running |= (c.running && c.pid != cluster.children()[0].pid);
-    if (!workers_running) break;
-    if (!cluster.children()[0].running) {
-      show(true);
-      std::cerr << "hsdp-launch: coordinator exited while workers run: "
-                << LastLine(cluster.children()[0].log) << std::endl;
-      cluster.Terminate();
-      return kExitFailure;
+    for (const Child& c : cluster.children()) {
+      workers_running |= (c.running && c.rank >= 0);
     }
+    if (!workers_running) break;
+    if (std::chrono::steady_clock::now() >= next_status) {
+      refresh_status();
+      next_status = std::chrono::steady_clock::now() + kStatusInterval;
+      if (is_state(hsdp::v1::JOB_STATE_FAILED)) {
+        return fail_job(absl::StrCat("the job failed: ", status->message()));
+      }
+    }
+    say_generations();
     show(false);
     std::this_thread::sleep_for(kPollInterval);
   }
+  refresh_status();
+  say_generations();
   show(true);
+  if (is_state(hsdp::v1::JOB_STATE_FAILED)) {
+    return fail_job(absl::StrCat("the job failed: ", status->message()));
+  }
+  // A worker that failed without a restart (the job had finished or was
+  // draining) counts only if the job did not finish.
+  bool all_ok = true;
+  for (const Child& c : cluster.children()) {
+    if (c.rank >= 0) all_ok &= ExitedOk(c.exit_status);
+  }
+  if (!all_ok && !is_state(hsdp::v1::JOB_STATE_FINISHED)) {
+    return fail_job("the workers stopped before the job finished");
+  }
   cluster.Terminate();  // the coordinator: graceful SIGTERM
-  std::cerr << "hsdp-launch: all " << o.workers
-            << " workers finished; reports in " << run_dir << std::endl;
+  std::cerr << "hsdp-launch: all " << o.workers << " workers finished";
+  if (failures > 0 || restarts > 0) {
+    std::cerr << " (" << failures
+              << (failures == 1 ? " failure, " : " failures, ") << restarts
+              << (restarts == 1 ? " restart" : " restarts");
+    if (status.has_value()) {
+      std::cerr << "; generation " << status->generation() << ", "
+                << MeshOf(*status);
+    }
+    std::cerr << ")";
+  }
+  std::cerr << "; reports in " << run_dir << std::endl;
   return 0;
 }
 
@@ -540,6 +806,10 @@ int main(int argc, char** argv) {
   app.add_option("--worker-binary", o.worker_binary,
                  "the workers' executable: a user's worker built on "
                  "hsdp::train::WorkerMain (default: hsdp-worker in --bin-dir)");
+  app.add_option("--max-restarts", o.max_restarts,
+                 absl::StrCat("restarts of dead workers in all (default ",
+                              kDefaultMaxRestarts,
+                              "); 0: the first failure stops the job"));
   // Flags hsdp-launch does not know go to every worker as well (e.g.
   // --microbatch-size 8).
   app.allow_extras(true);
@@ -563,9 +833,10 @@ int main(int argc, char** argv) {
   }
   for (const std::string& extra : app.remaining())
     o.worker_args.push_back(extra);
-  if (o.workers <= 0 || o.steps < 0 || o.port < 0 || o.metrics_port < -1) {
-    std::cerr << "hsdp-launch: --workers must be > 0, --steps and --port >= 0, "
-                 "--metrics-port >= -1"
+  if (o.workers <= 0 || o.steps < 0 || o.port < 0 || o.metrics_port < -1 ||
+      o.max_restarts < 0) {
+    std::cerr << "hsdp-launch: --workers must be > 0, --steps, --port and "
+                 "--max-restarts >= 0, --metrics-port >= -1"
               << std::endl;
     return kExitUsage;
   }

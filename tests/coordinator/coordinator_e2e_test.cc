@@ -4,8 +4,10 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <string>
@@ -313,6 +315,115 @@ TEST(CoordinatorE2eTest, KilledAndRestartedServesTheSameSealedSteps) {
   EXPECT_EQ(next.policy_version(), 3);
   EXPECT_EQ(next.microbatches_size(), 3);
   EXPECT_EQ(next.generation(), generation);
+}
+
+// A state directory with one sealed step file deleted (any but the newest):
+// the coordinator exits non-zero at start-up with one line naming the step
+// and the file, and serves nothing.
+TEST(CoordinatorE2eTest, AMissingSealedStepFileStopsTheStartNamingIt) {
+  namespace fs = std::filesystem;
+  TempDir dir;
+  const std::string token_file = dir.Write("token", std::string(kToken) + "\n");
+  const std::string state = dir.path() + "/state";
+  {
+    CoordinatorProcess coordinator(HSDP_COORDINATOR_BIN,
+                                   JobArgs(state, token_file, "30"));
+    ASSERT_FALSE(coordinator.address().empty()) << coordinator.process().err();
+    Clients c(coordinator.address());
+    const int64_t w0 = c.Join(0).worker_id();
+    const int64_t w1 = c.Join(1).worker_id();
+    c.RunSteps({w0, w1}, 0, 0, 5);
+    coordinator.process().Signal(SIGKILL);
+    coordinator.process().Wait();
+  }
+  std::vector<std::string> names;
+  for (const auto& entry : fs::directory_iterator(state + "/steps")) {
+    names.push_back(entry.path().filename().string());
+  }
+  std::sort(names.begin(), names.end());
+  ASSERT_GE(names.size(), 5u);
+  // Every file but the newest (whose absence a crash before its write would
+  // explain).
+  for (size_t i = 0; i + 1 < names.size(); ++i) {
+    const std::string copy = dir.path() + "/copy-" + std::to_string(i);
+    fs::copy(state, copy, fs::copy_options::recursive);
+    const std::string file = copy + "/steps/" + names[i];
+    ASSERT_TRUE(fs::remove(file));
+    CoordinatorProcess coordinator(HSDP_COORDINATOR_BIN,
+                                   JobArgs(copy, token_file, "30"));
+    EXPECT_TRUE(coordinator.address().empty()) << "served step file " << i;
+    const RunResult r = coordinator.process().Wait();
+    EXPECT_NE(r.exit_code, 0);
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+    EXPECT_NE(r.err.find("sealed step " + std::to_string(i) + " is missing"),
+              std::string::npos)
+        << r.err;
+    EXPECT_NE(r.err.find(file), std::string::npos) << r.err;
+  }
+}
+
+// The operator's repair: a hole above the last committed step is cut off with
+// --truncate-sealed-after (the files after it moved aside, those steps sealed
+// again); one below it is refused.
+TEST(CoordinatorE2eTest, TruncateSealedAfterRepairsAHoleAboveTheCommit) {
+  namespace fs = std::filesystem;
+  TempDir dir;
+  const std::string token_file = dir.Write("token", std::string(kToken) + "\n");
+  const std::string state = dir.path() + "/state";
+  int64_t w0 = 0;
+  {
+    CoordinatorProcess coordinator(HSDP_COORDINATOR_BIN,
+                                   JobArgs(state, token_file, "30"));
+    ASSERT_FALSE(coordinator.address().empty()) << coordinator.process().err();
+    Clients c(coordinator.address());
+    w0 = c.Join(0).worker_id();
+    const int64_t w1 = c.Join(1).worker_id();
+    c.RunSteps({w0, w1}, 0, 0, 3);  // steps 0..2 commit
+    c.FetchAs(w0, 0, 5);            // 3..5 sealed, not committed
+    coordinator.process().Signal(SIGKILL);
+    coordinator.process().Wait();
+  }
+  const std::string hole = state + "/steps/000000000004.binpb";
+  ASSERT_TRUE(fs::remove(hole));
+  auto args = [&](const std::string& truncate) {
+    std::vector<std::string> a = JobArgs(state, token_file, "30");
+    if (!truncate.empty()) {
+      a.push_back("--truncate-sealed-after");
+      a.push_back(truncate);
+    }
+    return a;
+  };
+  {
+    CoordinatorProcess refused(HSDP_COORDINATOR_BIN, args(""));
+    EXPECT_TRUE(refused.address().empty());
+    const RunResult r = refused.process().Wait();
+    EXPECT_NE(r.exit_code, 0);
+    EXPECT_NE(r.err.find("sealed step 4 is missing: " + hole),
+              std::string::npos)
+        << r.err;
+  }
+  {
+    // Below the committed step 2: refused, nothing moved.
+    CoordinatorProcess refused(HSDP_COORDINATOR_BIN, args("1"));
+    EXPECT_TRUE(refused.address().empty());
+    const RunResult r = refused.process().Wait();
+    EXPECT_NE(r.exit_code, 0);
+    EXPECT_NE(r.err.find("step 2 committed"), std::string::npos) << r.err;
+    EXPECT_TRUE(fs::exists(state + "/steps/000000000003.binpb"));
+  }
+  CoordinatorProcess repaired(HSDP_COORDINATOR_BIN, args("3"));
+  ASSERT_FALSE(repaired.address().empty()) << repaired.process().err();
+  Clients c(repaired.address());
+  EXPECT_EQ(c.Status().sealed_step(), 3);
+  EXPECT_FALSE(fs::exists(state + "/steps/000000000005.binpb"));
+  bool moved_aside = false;
+  for (const auto& entry : fs::directory_iterator(state)) {
+    const std::string name = entry.path().filename().string();
+    if (name.rfind("truncated-", 0) == 0) {
+      moved_aside |= fs::exists(entry.path() / "steps" / "000000000005.binpb");
+    }
+  }
+  EXPECT_TRUE(moved_aside);
 }
 
 TEST(CoordinatorE2eTest, MeshNotDividingTheWorldExitsWithTheReason) {

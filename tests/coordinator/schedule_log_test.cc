@@ -2,10 +2,16 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <thread>
 #include <utility>
 
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/policy.h"
 #include "coordinator/trace_collector.h"
@@ -14,6 +20,7 @@
 namespace hsdp::coordinator {
 namespace {
 
+namespace fs = std::filesystem;
 using hsdp::v1::Policy;
 using testing::FreshDir;
 using testing::MakeUnits;
@@ -485,6 +492,292 @@ TEST(ScheduleLogTest, TraceRequestsMarkOnlyTheirSteps) {
   EXPECT_NE(backwards.message().find("last_step"), std::string::npos);
   EXPECT_EQ(log->RequestTrace(10, 10 + kMaxTraceSteps).status().code(),
             absl::StatusCode::kInvalidArgument);
+}
+
+// --- Restoring a damaged state directory.
+
+// A state directory of a 4-rank job over three generations, as the
+// coordinator leaves it: generation 0 sealed steps 0..5 and committed 0..2;
+// generation 1 (2 ranks, from step 3) sealed 3..7 and committed 3..5;
+// generation 2 (4 ranks, from step 6) sealed 6..9 and committed 6..8 (the
+// commit point Membership keeps). Steps 3..5 of generation 0 and 6..7 of
+// generation 1 are superseded.
+constexpr int64_t kLastSealed = 9;
+constexpr int64_t kLastCommitted = 8;
+
+// The generation whose record serves `step` in that directory.
+int64_t OwnerOf(int64_t step) { return step < 3 ? 0 : step < 6 ? 1 : 2; }
+
+std::string StepFile(const std::string& dir, int64_t step, int64_t generation) {
+  char name[64];
+  if (generation == 0) {
+    std::snprintf(name, sizeof(name), "%012lld.binpb",
+                  static_cast<long long>(step));
+  } else {
+    std::snprintf(name, sizeof(name), "%012lld-g%lld.binpb",
+                  static_cast<long long>(step),
+                  static_cast<long long>(generation));
+  }
+  return (fs::path(dir) / "steps" / name).string();
+}
+
+void MakeThreeGenerations(const std::string& dir) {
+  auto store = StateStore::Open(dir);
+  ASSERT_TRUE(store.ok()) << store.status();
+  auto log = MakeLog(4, 4, store->get());
+  ASSERT_TRUE(log->GetSchedule(2, kGen0, Soon()).ok());
+  log->RecordCommitted(2);
+  ASSERT_TRUE(log->GetSchedule(5, kGen0, Soon()).ok());
+  const GenerationContext g1{1, 2, 3};
+  ASSERT_TRUE(log->BeginGeneration(g1).ok());
+  ASSERT_TRUE(log->GetSchedule(7, g1, Soon()).ok());
+  log->RecordCommitted(5);
+  const GenerationContext g2{2, 4, 6};
+  ASSERT_TRUE(log->BeginGeneration(g2).ok());
+  ASSERT_TRUE(log->GetSchedule(kLastSealed, g2, Soon()).ok());
+  log->RecordCommitted(kLastCommitted);
+  state::CommitPoint point;
+  point.set_generation(2);
+  point.set_step(kLastCommitted);
+  point.set_committed_in_generation(kLastCommitted - 6 + 1);
+  ASSERT_TRUE((*store)->SaveCommitPoint(point).ok());
+  ASSERT_EQ(log->sealed_step(), kLastSealed);
+}
+
+// A copy of `from` (the original stays for the next case).
+std::string CopyOf(const std::string& from, const std::string& name) {
+  const std::string to = FreshDir(name);
+  fs::copy(from, to,
+           fs::copy_options::recursive | fs::copy_options::overwrite_existing);
+  return to;
+}
+
+// Opens `dir` as a restarting coordinator does.
+absl::StatusOr<std::unique_ptr<ScheduleLog>> Restart(
+    const std::string& dir, std::unique_ptr<StateStore>* store) {
+  absl::StatusOr<std::unique_ptr<StateStore>> opened = StateStore::Open(dir);
+  if (!opened.ok()) return opened.status();
+  *store = *std::move(opened);
+  ScheduleLog::Options options;
+  options.world_size = 4;
+  options.shard_size = 4;
+  options.read_ahead = 4;
+  return ScheduleLog::Create(options, Policy(), store->get());
+}
+
+// Expects a restart on `dir` to be refused with DATA_LOSS in one line that
+// contains each of `needles`.
+void ExpectRefused(const std::string& dir,
+                   const std::vector<std::string>& needles,
+                   const std::string& what) {
+  std::unique_ptr<StateStore> store;
+  absl::StatusOr<std::unique_ptr<ScheduleLog>> log = Restart(dir, &store);
+  ASSERT_FALSE(log.ok()) << what << ": the damaged directory was accepted";
+  EXPECT_EQ(log.status().code(), absl::StatusCode::kDataLoss) << what;
+  const std::string message(log.status().message());
+  EXPECT_EQ(message.find('\n'), std::string::npos) << message;
+  for (const std::string& needle : needles) {
+    EXPECT_NE(message.find(needle), std::string::npos)
+        << what << ": \"" << needle << "\" not in: " << message;
+  }
+}
+
+TEST(ScheduleLogRestoreTest, TheUndamagedDirectoryRestoresEveryGeneration) {
+  const std::string dir = FreshDir("state");
+  MakeThreeGenerations(dir);
+  std::unique_ptr<StateStore> store;
+  auto log = Restart(dir, &store);
+  ASSERT_TRUE(log.ok()) << log.status();
+  EXPECT_EQ((*log)->sealed_step(), kLastSealed);
+  EXPECT_EQ((*log)->generation(), 2);
+  for (int64_t step = 0; step <= kLastSealed; ++step) {
+    EXPECT_EQ((*(*log)->GetSealed(step))->schedule.generation(), OwnerOf(step))
+        << step;
+  }
+  EXPECT_TRUE((*log)->GetSealed(4, 0).ok());  // superseded, still readable
+}
+
+// Deleting any one record that serves a step before the last sealed one is
+// refused, naming the step and the file.
+TEST(ScheduleLogRestoreTest, EveryMissingSealedStepIsRefusedNamingIt) {
+  const std::string original = FreshDir("state");
+  MakeThreeGenerations(original);
+  for (int64_t step = 0; step < kLastSealed; ++step) {
+    const std::string dir = CopyOf(original, "copy");
+    const std::string file = StepFile(dir, step, OwnerOf(step));
+    ASSERT_TRUE(fs::remove(file)) << file;
+    ExpectRefused(dir,
+                  {absl::StrCat("sealed step ", step, " is missing"), file},
+                  absl::StrCat("step ", step, " deleted"));
+  }
+}
+
+// The last sealed step of the last generation, uncommitted, is what a crash
+// before its record was written leaves: it is sealed again. The committed
+// last step is refused.
+TEST(ScheduleLogRestoreTest, OnlyTheNewestUncommittedRecordMayBeAbsent) {
+  const std::string original = FreshDir("state");
+  MakeThreeGenerations(original);
+  const std::string dir = CopyOf(original, "uncommitted");
+  ASSERT_TRUE(fs::remove(StepFile(dir, kLastSealed, 2)));
+  {
+    std::unique_ptr<StateStore> store;
+    auto log = Restart(dir, &store);
+    ASSERT_TRUE(log.ok()) << log.status();
+    EXPECT_EQ((*log)->sealed_step(), kLastSealed - 1);
+  }
+  const std::string committed = CopyOf(original, "committed");
+  ASSERT_TRUE(fs::remove(StepFile(committed, kLastSealed, 2)));
+  ASSERT_TRUE(fs::remove(StepFile(committed, kLastSealed - 1, 2)));
+  ExpectRefused(committed,
+                {absl::StrCat("sealed step ", kLastCommitted, " is missing"),
+                 StepFile(committed, kLastCommitted, 2), "commit.binpb"},
+                "the committed last step deleted");
+}
+
+// Superseded records serve no step: the directory stays consistent without
+// them.
+TEST(ScheduleLogRestoreTest, SupersededRecordsAreNotNeeded) {
+  const std::string dir = FreshDir("state");
+  MakeThreeGenerations(dir);
+  for (int64_t step = 3; step <= 5; ++step) {
+    ASSERT_TRUE(fs::remove(StepFile(dir, step, 0)));
+  }
+  ASSERT_TRUE(fs::remove(StepFile(dir, 7, 1)));
+  std::unique_ptr<StateStore> store;
+  auto log = Restart(dir, &store);
+  ASSERT_TRUE(log.ok()) << log.status();
+  EXPECT_EQ((*log)->sealed_step(), kLastSealed);
+}
+
+// A record of a generation the directory never began, or from before its
+// generation's start, is refused naming it.
+TEST(ScheduleLogRestoreTest, RecordsOfGenerationsThatDoNotFollowAreRefused) {
+  const std::string original = FreshDir("state");
+  MakeThreeGenerations(original);
+  auto plant = [](const std::string& dir, int64_t step, int64_t generation) {
+    auto store = StateStore::Open(dir);
+    ASSERT_TRUE(store.ok());
+    hsdp::v1::StepSchedule schedule;
+    schedule.set_step(step);
+    schedule.set_generation(generation);
+    ASSERT_TRUE(
+        (*store)
+            ->SaveSealedStep(step, generation, schedule.SerializeAsString())
+            .ok());
+  };
+  const std::string unknown = CopyOf(original, "unknown");
+  plant(unknown, 8, 3);
+  ExpectRefused(
+      unknown,
+      {"sealed step 8", StepFile(unknown, 8, 3), "generation 3", "never began"},
+      "a record of generation 3");
+  const std::string early = CopyOf(original, "early");
+  plant(early, 4, 2);
+  ExpectRefused(early,
+                {"sealed step 4", StepFile(early, 4, 2), "began at step 6"},
+                "a record from before its generation's start");
+
+  // Generation starts out of order in state.binpb.
+  const std::string disorder = CopyOf(original, "disorder");
+  {
+    auto store = StateStore::Open(disorder);
+    ASSERT_TRUE(store.ok());
+    ASSERT_TRUE((*store)
+                    ->Update([](PersistedState* s) {
+                      s->mutable_generation_starts()->SwapElements(0, 1);
+                    })
+                    .ok());
+  }
+  ExpectRefused(disorder, {"state.binpb", "generation 1", "does not follow"},
+                "generation starts out of order");
+}
+
+// A step file cut anywhere, or with a flipped byte, is refused naming it: the
+// write protocol never leaves one (a crash leaves only a temp file).
+TEST(ScheduleLogRestoreTest, TruncatedOrCorruptStepFilesAreRefused) {
+  const std::string original = FreshDir("state");
+  MakeThreeGenerations(original);
+  const std::string target = StepFile(original, 4, 1);
+  std::string contents;
+  {
+    std::ifstream in(target, std::ios::binary);
+    contents.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  ASSERT_GT(contents.size(), 16u);
+  for (size_t length = 0; length < contents.size(); ++length) {
+    const std::string dir = CopyOf(original, "cut");
+    std::ofstream(StepFile(dir, 4, 1), std::ios::binary | std::ios::trunc)
+        << contents.substr(0, length);
+    ExpectRefused(dir, {"sealed step 4", StepFile(dir, 4, 1)},
+                  absl::StrCat("cut to ", length, " bytes"));
+  }
+  const std::string flipped = CopyOf(original, "flipped");
+  std::string bad = contents;
+  bad.back() ^= 0x40;
+  std::ofstream(StepFile(flipped, 4, 1), std::ios::binary | std::ios::trunc)
+      << bad;
+  ExpectRefused(flipped, {"sealed step 4", "checksum"}, "a flipped byte");
+}
+
+// What a crash mid-write leaves (a temp file beside the intact target) is
+// passed over with a line naming it.
+TEST(ScheduleLogRestoreTest, ALeftoverTempFileIsPassedOverAndSaid) {
+  const std::string dir = FreshDir("state");
+  MakeThreeGenerations(dir);
+  const std::string temp = StepFile(dir, kLastSealed + 1, 2) + ".tmp";
+  std::ofstream(temp, std::ios::binary) << std::string("\0hsdp", 5);
+  ::testing::internal::CaptureStderr();
+  std::unique_ptr<StateStore> store;
+  auto log = Restart(dir, &store);
+  const std::string said = ::testing::internal::GetCapturedStderr();
+  ASSERT_TRUE(log.ok()) << log.status();
+  EXPECT_EQ((*log)->sealed_step(), kLastSealed);
+  EXPECT_NE(said.find(temp), std::string::npos) << said;
+  EXPECT_EQ(std::count(said.begin(), said.end(), '\n'), 1) << said;
+  EXPECT_FALSE(fs::exists(temp));
+}
+
+// A state directory whose state file is gone but which holds sealed steps is
+// refused.
+TEST(ScheduleLogRestoreTest, SealedStepsWithoutAStateFileAreRefused) {
+  const std::string dir = FreshDir("state");
+  MakeThreeGenerations(dir);
+  ASSERT_TRUE(fs::remove(fs::path(dir) / "state.binpb"));
+  ExpectRefused(dir, {"state.binpb", "holds no policy"}, "state file deleted");
+}
+
+// A generation that cannot be persisted seals nothing until it can, so no
+// record of a generation the directory does not know is ever written.
+TEST(ScheduleLogRestoreTest, AGenerationIsPersistedBeforeItsFirstRecord) {
+  const std::string dir = FreshDir("state");
+  {
+    auto store = StateStore::Open(dir);
+    ASSERT_TRUE(store.ok());
+    auto log = MakeLog(4, 4, store->get());
+    ASSERT_TRUE(log->GetSchedule(2, kGen0, Soon()).ok());
+    log->RecordCommitted(1);
+    // The state file cannot be replaced (as on a full disk).
+    const fs::path blocker = fs::path(dir) / "state.binpb.tmp";
+    fs::create_directory(blocker);
+    ::testing::internal::CaptureStderr();
+    const GenerationContext g1{1, 2, 2};
+    EXPECT_FALSE(log->BeginGeneration(g1).ok());
+    EXPECT_FALSE(log->GetSchedule(2, g1, Soon()).ok());
+    (void)::testing::internal::GetCapturedStderr();
+    EXPECT_FALSE(fs::exists(StepFile(dir, 2, 1)));
+    fs::remove(blocker);
+    ::testing::internal::CaptureStderr();
+    absl::StatusOr<ScheduleRead> read = log->GetSchedule(2, g1, Soon());
+    (void)::testing::internal::GetCapturedStderr();
+    ASSERT_TRUE(read.ok()) << read.status();
+    EXPECT_EQ(read->sealed->schedule.generation(), 1);
+  }
+  std::unique_ptr<StateStore> store;
+  auto log = Restart(dir, &store);
+  ASSERT_TRUE(log.ok()) << log.status();
+  EXPECT_EQ((*log)->generation(), 1);
+  EXPECT_EQ((*(*log)->GetSealed(2))->schedule.generation(), 1);
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <string>
 
 #include "hsdp/v1/schedule.pb.h"
@@ -239,6 +240,63 @@ TEST(StateStoreTest, CorruptFilesAreDataLoss) {
   absl::Status s = StateStore::Open(dir2).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss);
   EXPECT_NE(s.message().find("000000000002.binpb"), std::string::npos) << s;
+}
+
+// Step files are written with a header (length, CRC-32C); files from before it
+// (the bare message) still load.
+TEST(StateStoreTest, StepFilesWithoutAHeaderStillLoad) {
+  const std::string dir = FreshDir("s");
+  {
+    auto store = StateStore::Open(dir);
+    ASSERT_TRUE(store.ok());
+    ASSERT_TRUE((*store)->SaveSealedStep(0, 0, StepBytes(0)).ok());
+    std::ifstream in((*store)->SealedStepPath(0, 0), std::ios::binary);
+    const std::string written((std::istreambuf_iterator<char>(in)), {});
+    EXPECT_EQ(written.size(), StepBytes(0).size() + 16);
+    EXPECT_EQ(written.front(), '\0');
+  }
+  WriteRaw(fs::path(dir) / "steps" / "000000000001.binpb", StepBytes(1));
+  auto store = StateStore::Open(dir);
+  ASSERT_TRUE(store.ok()) << store.status();
+  EXPECT_EQ((*store)->SealedSteps().at({0, 0}), StepBytes(0));
+  EXPECT_EQ((*store)->SealedSteps().at({1, 0}), StepBytes(1));
+}
+
+// The operator's truncation moves the later files aside (never deletes), and
+// refuses to drop a committed step.
+TEST(StateStoreTest, TruncateSealedStepsMovesLaterFilesAside) {
+  const std::string dir = FreshDir("s");
+  {
+    auto store = StateStore::Open(dir);
+    ASSERT_TRUE(store.ok());
+    for (int64_t step = 0; step < 4; ++step) {
+      ASSERT_TRUE((*store)->SaveSealedStep(step, 0, StepBytes(step)).ok());
+    }
+    ASSERT_TRUE((*store)->SaveSealedStep(3, 1, StepBytes(3, 1)).ok());
+    state::CommitPoint point;
+    point.set_step(1);
+    ASSERT_TRUE((*store)->SaveCommitPoint(point).ok());
+    EXPECT_EQ((*store)->TruncateSealedSteps(0).status().code(),
+              absl::StatusCode::kFailedPrecondition);
+    EXPECT_EQ((*store)->SealedSteps().size(), 5u);
+    absl::StatusOr<int> moved = (*store)->TruncateSealedSteps(1);
+    ASSERT_TRUE(moved.ok()) << moved.status();
+    EXPECT_EQ(*moved, 3);
+    EXPECT_EQ((*store)->SealedSteps().size(), 2u);
+    EXPECT_FALSE(fs::exists((*store)->SealedStepPath(2, 0)));
+  }
+  auto store = StateStore::Open(dir);
+  ASSERT_TRUE(store.ok()) << store.status();
+  EXPECT_EQ((*store)->SealedSteps().size(), 2u);
+  int aside = 0;
+  for (const auto& entry : fs::recursive_directory_iterator(dir)) {
+    const std::string path = entry.path().string();
+    if (path.find("/truncated-") != std::string::npos &&
+        entry.is_regular_file()) {
+      ++aside;
+    }
+  }
+  EXPECT_EQ(aside, 3);
 }
 
 TEST(StateStoreTest, FailedUpdateKeepsPreviousState) {

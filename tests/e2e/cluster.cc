@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <map>
 #include <sstream>
 #include <thread>
 
@@ -121,6 +122,59 @@ std::vector<StepRecord> ReadReport(const std::string& path) {
     out.push_back(r);
   }
   return out;
+}
+
+std::vector<ReportLine> ReadReportLines(const std::string& path) {
+  std::vector<ReportLine> out;
+  for (const std::string& text : Lines(ReadFile(path))) {
+    ReportLine l;
+    EXPECT_TRUE(absl::SimpleAtoi(Field(text, "rank"), &l.rank)) << text;
+    EXPECT_TRUE(absl::SimpleAtoi(Field(text, "step"), &l.step)) << text;
+    EXPECT_TRUE(absl::SimpleAtoi(Field(text, "generation"), &l.generation))
+        << text;
+    EXPECT_TRUE(absl::SimpleAtoi(Field(text, "world_size"), &l.world)) << text;
+    EXPECT_TRUE(
+        absl::SimpleAtoi(Field(text, "first_microbatch"), &l.first_microbatch))
+        << text;
+    EXPECT_TRUE(
+        absl::SimpleAtoi(Field(text, "microbatch_count"), &l.microbatch_count))
+        << text;
+    EXPECT_TRUE(absl::SimpleAtod(Field(text, "loss"), &l.loss)) << text;
+    l.loss_hex = Field(text, "loss_hex");
+    l.heal_crc = Field(text, "heal_crc32c");
+    out.push_back(l);
+  }
+  return out;
+}
+
+void ExpectExactLedger(const std::vector<std::string>& reports, int steps,
+                       int global_microbatches, int killed_file) {
+  std::map<int64_t, int> seen;
+  int64_t killed_last = -1;
+  for (size_t f = 0; f < reports.size(); ++f) {
+    for (const ReportLine& l : ReadReportLines(reports[f])) {
+      if (static_cast<int>(f) == killed_file)
+        killed_last = std::max(killed_last, l.step);
+      EXPECT_EQ(l.first_microbatch >= l.step * global_microbatches &&
+                    l.first_microbatch + l.microbatch_count <=
+                        (l.step + 1) * global_microbatches,
+                true)
+          << reports[f] << " step " << l.step;
+      for (int64_t g = l.first_microbatch;
+           g < l.first_microbatch + l.microbatch_count; ++g)
+        ++seen[g];
+    }
+  }
+  int missing = 0;
+  for (int64_t g = 0; g < int64_t{steps} * global_microbatches; ++g) {
+    EXPECT_LE(seen[g], 1) << "microbatch " << g << " trained twice";
+    if (seen[g] == 0) {
+      ++missing;
+      EXPECT_EQ(g / global_microbatches, killed_last + 1)
+          << "microbatch " << g << " of a committed step is in no ledger";
+    }
+  }
+  EXPECT_LE(missing, 1);
 }
 
 int64_t StepsReported(const std::string& path) {

@@ -61,6 +61,28 @@ void ExpectSameLosses(const std::vector<std::string>& report_paths,
                       const std::vector<std::vector<StepRecord>>& base,
                       int steps);
 
+// One line of a worker's report file, with the fields elastic checks read.
+struct ReportLine {
+  int rank = 0;
+  int64_t step = 0;
+  int64_t generation = 0;
+  int world = 0;
+  int64_t first_microbatch = 0;
+  int64_t microbatch_count = 0;
+  std::string loss_hex;
+  double loss = 0;
+  std::string heal_crc;
+};
+std::vector<ReportLine> ReadReportLines(const std::string& path);
+
+// The sample ledger over every report file of a job (every incarnation of
+// every rank): each global microbatch index of steps [0, steps) with
+// `global_microbatches` per step is trained exactly once, except that
+// `killed_file`'s (an index into `reports`, or -1) last committed step may be
+// missing from it (a kill can land between the commit and the line).
+void ExpectExactLedger(const std::vector<std::string>& reports, int steps,
+                       int global_microbatches, int killed_file);
+
 // A LibTorch archive of named tensors (--final-params).
 std::map<std::string, at::Tensor> LoadParams(const std::string& path);
 

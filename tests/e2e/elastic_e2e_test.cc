@@ -28,78 +28,9 @@ constexpr int kGlobalMicrobatches = 4;
 const std::vector<std::string> kCoordinatorFlags = {
     "--heartbeat-timeout", "4", "--reform-window", "2", "--join-wait", "30"};
 
-struct Line {
-  int rank = 0;
-  int64_t step = 0;
-  int64_t generation = 0;
-  int world = 0;
-  int64_t first_microbatch = 0;
-  int64_t microbatch_count = 0;
-  std::string loss_hex;
-  double loss = 0;
-  std::string heal_crc;
-};
-
-std::vector<Line> ReadLines(const std::string& path) {
-  std::vector<Line> out;
-  for (const std::string& text : Lines(ReadFile(path))) {
-    Line l;
-    EXPECT_TRUE(absl::SimpleAtoi(Field(text, "rank"), &l.rank)) << text;
-    EXPECT_TRUE(absl::SimpleAtoi(Field(text, "step"), &l.step)) << text;
-    EXPECT_TRUE(absl::SimpleAtoi(Field(text, "generation"), &l.generation))
-        << text;
-    EXPECT_TRUE(absl::SimpleAtoi(Field(text, "world_size"), &l.world)) << text;
-    EXPECT_TRUE(
-        absl::SimpleAtoi(Field(text, "first_microbatch"), &l.first_microbatch))
-        << text;
-    EXPECT_TRUE(
-        absl::SimpleAtoi(Field(text, "microbatch_count"), &l.microbatch_count))
-        << text;
-    EXPECT_TRUE(absl::SimpleAtod(Field(text, "loss"), &l.loss)) << text;
-    l.loss_hex = Field(text, "loss_hex");
-    l.heal_crc = Field(text, "heal_crc32c");
-    out.push_back(l);
-  }
-  return out;
-}
-
-// Every committed step's global microbatches, from all report files: each
-// index in [0, steps * U) exactly once, except that `killed_file`'s last
-// committed step may be missing (the kill can land between the commit and
-// the line).
-void ExpectExactLedger(const std::vector<std::string>& reports, int steps,
-                       int killed_file) {
-  std::map<int64_t, int> seen;
-  int64_t killed_last = -1;
-  for (size_t f = 0; f < reports.size(); ++f) {
-    for (const Line& l : ReadLines(reports[f])) {
-      if (static_cast<int>(f) == killed_file)
-        killed_last = std::max(killed_last, l.step);
-      EXPECT_EQ(l.first_microbatch >= l.step * kGlobalMicrobatches &&
-                    l.first_microbatch + l.microbatch_count <=
-                        (l.step + 1) * kGlobalMicrobatches,
-                true)
-          << reports[f] << " step " << l.step;
-      for (int64_t g = l.first_microbatch;
-           g < l.first_microbatch + l.microbatch_count; ++g)
-        ++seen[g];
-    }
-  }
-  int missing = 0;
-  for (int64_t g = 0; g < int64_t{steps} * kGlobalMicrobatches; ++g) {
-    EXPECT_LE(seen[g], 1) << "microbatch " << g << " trained twice";
-    if (seen[g] == 0) {
-      ++missing;
-      EXPECT_EQ(g / kGlobalMicrobatches, killed_last + 1)
-          << "microbatch " << g << " of a committed step is in no ledger";
-    }
-  }
-  EXPECT_LE(missing, 1);
-}
-
 // The step at which `lines` first trained on `world` ranks.
-int64_t FirstStepOn(const std::vector<Line>& lines, int world) {
-  for (const Line& l : lines)
+int64_t FirstStepOn(const std::vector<ReportLine>& lines, int world) {
+  for (const ReportLine& l : lines)
     if (l.world == world) return l.step;
   return -1;
 }
@@ -123,16 +54,16 @@ TEST(ElasticE2eTest, KillOneOf2x2SurvivorsGoOnBitwiseAsA1x2JobFromThatStep) {
   }
   EXPECT_NE(ReadFile(workers[2].log).find("stands by"), std::string::npos);
 
-  const std::vector<Line> survivor = ReadLines(c.report(0));
+  const std::vector<ReportLine> survivor = ReadReportLines(c.report(0));
   ASSERT_EQ(survivor.size(), static_cast<size_t>(kElasticSteps));
   for (int s = 0; s < kElasticSteps; ++s) EXPECT_EQ(survivor[s].step, s);
   const int64_t k = FirstStepOn(survivor, 2);
   ASSERT_GT(k, 0);
-  for (const Line& l : survivor) {
+  for (const ReportLine& l : survivor) {
     EXPECT_EQ(l.world, l.step < k ? 4 : 2) << "step " << l.step;
   }
   ExpectExactLedger({c.report(0), c.report(1), c.report(2), c.report(3)},
-                    kElasticSteps, /*killed_file=*/3);
+                    kElasticSteps, kGlobalMicrobatches, /*killed_file=*/3);
 
   // The reference: a 2x2 job checkpointed through step k - 1, then a 1x2 job
   // with 2 microbatches per rank (the same global batch) resumed from it.
@@ -147,11 +78,12 @@ TEST(ElasticE2eTest, KillOneOf2x2SurvivorsGoOnBitwiseAsA1x2JobFromThatStep) {
   b.StartCoordinator(2, "1x2", 0, b.dir() + "/policy.json");
   b.StartWorkers(2, {"--checkpoint-dir", ckpt}, kElasticSteps);
   b.WaitWorkers();
-  std::vector<Line> reference = ReadLines(a.report(0));
-  for (const Line& l : ReadLines(b.report(0))) reference.push_back(l);
+  std::vector<ReportLine> reference = ReadReportLines(a.report(0));
+  for (const ReportLine& l : ReadReportLines(b.report(0)))
+    reference.push_back(l);
   ASSERT_EQ(reference.size(), static_cast<size_t>(kElasticSteps));
   for (int r = 0; r < 2; ++r) {
-    const std::vector<Line> got = ReadLines(c.report(r));
+    const std::vector<ReportLine> got = ReadReportLines(c.report(r));
     ASSERT_EQ(got.size(), reference.size());
     for (size_t s = 0; s < got.size(); ++s) {
       EXPECT_EQ(got[s].loss_hex, reference[s].loss_hex)
@@ -173,10 +105,10 @@ TEST(ElasticE2eTest, AReplacementJoinsIsHealedBitwiseAndTrains) {
   // Once the survivors train on 1x2, a new process takes the dead one's place.
   const auto deadline = Clock::now() + std::chrono::seconds(60);
   while (Clock::now() < deadline &&
-         FirstStepOn(ReadLines(c.report(0)), 2) < 0) {
+         FirstStepOn(ReadReportLines(c.report(0)), 2) < 0) {
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
-  ASSERT_GE(FirstStepOn(ReadLines(c.report(0)), 2), 0)
+  ASSERT_GE(FirstStepOn(ReadReportLines(c.report(0)), 2), 0)
       << ReadFile(workers[0].log);
   const std::string replacement_report = c.dir() + "/replacement.jsonl";
   Proc replacement =
@@ -193,7 +125,7 @@ TEST(ElasticE2eTest, AReplacementJoinsIsHealedBitwiseAndTrains) {
   std::map<std::pair<int64_t, int>, std::set<std::string>> crcs;
   std::map<std::pair<int64_t, int>, int> holders;
   for (const std::string& path : reports) {
-    for (const Line& l : ReadLines(path)) {
+    for (const ReportLine& l : ReadReportLines(path)) {
       if (l.heal_crc.empty()) continue;
       crcs[{l.generation, l.rank % 2}].insert(l.heal_crc);
       ++holders[{l.generation, l.rank % 2}];
@@ -205,13 +137,13 @@ TEST(ElasticE2eTest, AReplacementJoinsIsHealedBitwiseAndTrains) {
                               << key.second << ": states differ after heal";
     EXPECT_GE(holders[key], 2);
   }
-  const std::vector<Line> healed = ReadLines(replacement_report);
+  const std::vector<ReportLine> healed = ReadReportLines(replacement_report);
   ASSERT_FALSE(healed.empty());
   EXPECT_FALSE(healed.front().heal_crc.empty());
   EXPECT_EQ(healed.back().step, kHealSteps - 1);
   ExpectExactLedger(
       {c.report(0), c.report(1), c.report(2), c.report(3), replacement_report},
-      kHealSteps, /*killed_file=*/3);
+      kHealSteps, kGlobalMicrobatches, /*killed_file=*/3);
 
   // The same global batch every step: the losses follow single-process
   // training on it (the reduction order differs between meshes: fp32
@@ -222,7 +154,7 @@ TEST(ElasticE2eTest, AReplacementJoinsIsHealedBitwiseAndTrains) {
       0)
       << ReadFile(c.dir() + "/reference.log");
   const std::vector<StepRecord> want = ReadReport(reference);
-  const std::vector<Line> got = ReadLines(c.report(0));
+  const std::vector<ReportLine> got = ReadReportLines(c.report(0));
   ASSERT_EQ(want.size(), got.size());
   for (size_t s = 0; s < got.size(); ++s) {
     EXPECT_NEAR(got[s].loss, want[s].loss, 1e-5) << "step " << s;
@@ -249,15 +181,15 @@ TEST(ElasticE2eTest, AnEvictedWorkerLeavesAtAStepBoundary) {
   }
   EXPECT_NE(ReadFile(workers[3].log).find("evicted by an operator"),
             std::string::npos);
-  const std::vector<Line> evicted = ReadLines(c.report(3));
-  const std::vector<Line> survivor = ReadLines(c.report(0));
+  const std::vector<ReportLine> evicted = ReadReportLines(c.report(3));
+  const std::vector<ReportLine> survivor = ReadReportLines(c.report(0));
   ASSERT_EQ(survivor.size(), static_cast<size_t>(kElasticSteps));
   ASSERT_FALSE(evicted.empty());
   // The evicted worker's last step is the survivors' last step on 2x2: a
   // boundary, nothing trained twice or lost.
   EXPECT_EQ(FirstStepOn(survivor, 2), evicted.back().step + 1);
   ExpectExactLedger({c.report(0), c.report(1), c.report(2), c.report(3)},
-                    kElasticSteps, /*killed_file=*/-1);
+                    kElasticSteps, kGlobalMicrobatches, /*killed_file=*/-1);
 }
 
 TEST(ElasticE2eTest, ALost1x2WorkerStopsTheJobWithAClearError) {

@@ -1,0 +1,179 @@
+// hsdp-launch as a user runs it, with a worker SIGKILLed mid-run: by default
+// the launcher starts it again with its own command line, it rejoins and is
+// healed, the survivors' processes train every step, the job finishes and the
+// launcher exits 0 with the sample ledger over every report file exact. With
+// --max-restarts 0 the first failure stops the job.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <stdlib.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "tests/e2e/cluster.h"
+
+namespace hsdp::e2e {
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr int kLaunchSteps = 150;
+// 2x2 with one microbatch per rank; a 1x2 generation keeps the same global
+// batch (two per rank).
+constexpr int kGlobalMicrobatches = 4;
+constexpr int kKilledRank = 3;
+// The worker is killed once it reported this many steps.
+constexpr int kKillAfterSteps = 20;
+constexpr auto kLaunchTimeout = std::chrono::seconds(120);
+
+// The pid of the child of `parent` whose command line contains `needle`, or
+// -1.
+pid_t ChildWith(pid_t parent, const std::string& needle) {
+  for (const auto& entry : fs::directory_iterator("/proc")) {
+    pid_t pid = 0;
+    if (!absl::SimpleAtoi(entry.path().filename().string(), &pid)) continue;
+    // /proc/PID/stat: "pid (comm) state ppid ...".
+    const std::string stat = ReadFile(entry.path().string() + "/stat");
+    const size_t close = stat.rfind(')');
+    if (close == std::string::npos) continue;
+    const std::vector<std::string> fields =
+        absl::StrSplit(stat.substr(close + 2), ' ');
+    pid_t ppid = 0;
+    if (fields.size() < 2 || !absl::SimpleAtoi(fields[1], &ppid) ||
+        ppid != parent) {
+      continue;
+    }
+    std::string cmdline = ReadFile(entry.path().string() + "/cmdline");
+    std::replace(cmdline.begin(), cmdline.end(), '\0', ' ');
+    if (cmdline.find(needle) != std::string::npos) return pid;
+  }
+  return -1;
+}
+
+std::vector<std::string> LaunchArgv(const std::string& run_dir,
+                                    const std::vector<std::string>& extra,
+                                    int64_t steps) {
+  std::vector<std::string> argv = {Bin("hsdp-launch"),
+                                   "--workers",
+                                   "4",
+                                   "--mesh",
+                                   "2x2",
+                                   "--steps",
+                                   std::to_string(steps),
+                                   "--run-dir",
+                                   run_dir,
+                                   "--metrics-port",
+                                   "-1"};
+  argv.insert(argv.end(), extra.begin(), extra.end());
+  for (const char* flag : {"--", "--dims", kDims, "--microbatch-size", "2"}) {
+    argv.push_back(flag);
+  }
+  return argv;
+}
+
+// Kills rank `kKilledRank`'s first process once it reported
+// `kKillAfterSteps` steps; false if it never did.
+bool KillWorkerMidRun(const Proc& launch, const std::string& run_dir) {
+  const std::string report =
+      absl::StrCat(run_dir, "/worker-", kKilledRank, ".jsonl");
+  const auto deadline = Clock::now() + std::chrono::seconds(60);
+  while (StepsReported(report) < kKillAfterSteps && Clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  if (StepsReported(report) < kKillAfterSteps) return false;
+  const pid_t worker = ChildWith(launch.pid, "--report-file " + report);
+  if (worker <= 0) return false;
+  kill(worker, SIGKILL);
+  return true;
+}
+
+TEST(LaunchE2eTest, AKilledWorkerIsRestartedHealedAndTheJobFinishes) {
+  Cluster scratch("launch-restart");
+  const std::string run_dir = scratch.dir() + "/run";
+  const std::string log = scratch.dir() + "/launch.log";
+  // The coordinator's re-form window, from the environment it inherits: the
+  // restarted worker joins well within it.
+  setenv("HSDP_REFORM_WINDOW", "2", /*overwrite=*/1);
+  Proc launch = Spawn(LaunchArgv(run_dir, {}, kLaunchSteps), log);
+  unsetenv("HSDP_REFORM_WINDOW");
+  ASSERT_TRUE(KillWorkerMidRun(launch, run_dir)) << ReadFile(log);
+  ASSERT_EQ(Wait(launch, kLaunchTimeout), 0) << ReadFile(log);
+
+  const std::string out = ReadFile(log);
+  EXPECT_NE(out.find("worker 3 failed (killed by signal 9)"), std::string::npos)
+      << out;
+  EXPECT_NE(out.find("restarting it (restart 1 of 3"), std::string::npos)
+      << out;
+  EXPECT_NE(out.find("hsdp-launch: generation 1: "), std::string::npos) << out;
+  EXPECT_NE(out.find("after worker 3 was lost (killed by signal 9)"),
+            std::string::npos)
+      << out;
+  EXPECT_NE(out.find("worker 3 rejoined (restart 1)"), std::string::npos)
+      << out;
+  EXPECT_NE(out.find("restarts 1"), std::string::npos) << out;  // progress
+  EXPECT_NE(out.find("all 4 workers finished (1 failure, 1 restart"),
+            std::string::npos)
+      << out;
+
+  // The survivors trained every step in their first processes.
+  for (int r = 0; r < 4; ++r) {
+    if (r == kKilledRank) continue;
+    EXPECT_FALSE(
+        fs::exists(absl::StrCat(run_dir, "/worker-", r, ".restart-1.jsonl")));
+    const std::vector<ReportLine> lines =
+        ReadReportLines(absl::StrCat(run_dir, "/worker-", r, ".jsonl"));
+    ASSERT_EQ(lines.size(), static_cast<size_t>(kLaunchSteps)) << "rank " << r;
+    for (int s = 0; s < kLaunchSteps; ++s) EXPECT_EQ(lines[s].step, s);
+  }
+  // The restarted process was healed in its first step and trained to the
+  // end.
+  const std::string killed =
+      absl::StrCat(run_dir, "/worker-", kKilledRank, ".jsonl");
+  const std::string restarted =
+      absl::StrCat(run_dir, "/worker-", kKilledRank, ".restart-1.jsonl");
+  EXPECT_GE(StepsReported(killed), kKillAfterSteps);
+  EXPECT_LT(StepsReported(killed), kLaunchSteps);
+  const std::vector<ReportLine> healed = ReadReportLines(restarted);
+  ASSERT_FALSE(healed.empty());
+  EXPECT_FALSE(healed.front().heal_crc.empty());
+  EXPECT_GT(healed.front().generation, 0);
+  EXPECT_EQ(healed.back().step, kLaunchSteps - 1);
+  // Every report file the run wrote: none besides these five.
+  std::vector<std::string> reports;
+  for (const auto& entry : fs::directory_iterator(run_dir)) {
+    if (entry.path().extension() == ".jsonl") {
+      reports.push_back(entry.path().string());
+    }
+  }
+  std::sort(reports.begin(), reports.end());
+  ASSERT_EQ(reports.size(), 5u);
+  const int killed_index = static_cast<int>(
+      std::find(reports.begin(), reports.end(), killed) - reports.begin());
+  ExpectExactLedger(reports, kLaunchSteps, kGlobalMicrobatches, killed_index);
+}
+
+TEST(LaunchE2eTest, MaxRestartsZeroStopsAtTheFirstFailure) {
+  Cluster scratch("launch-fail-fast");
+  const std::string run_dir = scratch.dir() + "/run";
+  const std::string log = scratch.dir() + "/launch.log";
+  Proc launch =
+      Spawn(LaunchArgv(run_dir, {"--max-restarts", "0"}, 100000), log);
+  ASSERT_TRUE(KillWorkerMidRun(launch, run_dir)) << ReadFile(log);
+  EXPECT_EQ(Wait(launch, std::chrono::seconds(60)), 1) << ReadFile(log);
+  const std::string out = ReadFile(log);
+  EXPECT_NE(out.find("hsdp-launch: worker 3 failed (killed by signal 9)"),
+            std::string::npos)
+      << out;
+  EXPECT_EQ(out.find("restarting"), std::string::npos) << out;
+  EXPECT_FALSE(fs::exists(run_dir + "/worker-3.restart-1.jsonl"));
+}
+
+}  // namespace
+}  // namespace hsdp::e2e
