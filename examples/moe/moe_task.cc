@@ -17,7 +17,9 @@ namespace {
 
 // Largest accepted value of each shape option: an example, not a benchmark.
 constexpr int64_t kMaxOption = 4096;
-// A sample repeats a pattern of this many tokens.
+// A sample repeats one of kPatterns patterns of kPatternLength tokens (fixed
+// by the seed), so the next token is mostly a function of the current one.
+constexpr int64_t kPatterns = 8;
 constexpr int64_t kPatternLength = 3;
 
 absl::Status ReadOption(const std::string& key, const std::string& text,
@@ -117,15 +119,19 @@ absl::StatusOr<hsdp::train::Batch> MoeTask::GetBatch(
   at::Tensor tokens =
       torch::empty({request.count, config_.seq_len + 1}, torch::kLong);
   auto acc = tokens.accessor<int64_t, 2>();
+  const at::Tensor patterns = torch::randint(
+      config_.vocab, {kPatterns, kPatternLength},
+      hsdp::train::NamedGenerator(request.seed, "patterns"), torch::kLong);
+  const auto p = patterns.accessor<int64_t, 2>();
   for (int64_t b = 0; b < request.count; ++b) {
-    const at::Tensor pattern =
-        torch::randint(config_.vocab, {kPatternLength},
+    const int64_t k =
+        torch::randint(kPatterns, {1},
                        hsdp::train::SampleGenerator(request.seed, request.step,
                                                     request.first + b),
-                       torch::kLong);
-    const auto p = pattern.accessor<int64_t, 1>();
+                       torch::kLong)
+            .item<int64_t>();
     for (int64_t i = 0; i <= config_.seq_len; ++i)
-      acc[b][i] = p[i % kPatternLength];
+      acc[b][i] = p[k][i % kPatternLength];
   }
   return hsdp::train::Batch{tokens.narrow(1, 0, config_.seq_len).contiguous(),
                             tokens.narrow(1, 1, config_.seq_len).contiguous()};

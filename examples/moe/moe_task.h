@@ -11,8 +11,8 @@
 // collectives; see task.h, "Parameters without a gradient").
 //
 // The data is synthetic: sample `index` of step `step` is a pure function of
-// (seed, step, index), a token sequence that repeats a per-sample pattern, so
-// the model can learn it.
+// (seed, step, index), a token sequence that repeats one of a few patterns
+// fixed by the seed, so the model can learn it.
 //
 // --model moe (or empty). --task-option KEY=VALUE (every rank the same):
 // vocab (32), dim (16), hidden (32), layers (2), experts (8), seq_len (8).

@@ -202,7 +202,9 @@ TEST_P(MoeMeshTest, ShardedMatchesSingleProcessReference) {
   ASSERT_TRUE(hsdp::train::RunReference(MakeTask(), ref).ok());
   const std::vector<double> expected = Field(ref.process.report_file, "loss");
   ASSERT_EQ(expected.size(), static_cast<size_t>(kSteps));
-  EXPECT_LT(expected.back(), expected.front());  // it learns
+  // It learns: the last three steps' mean loss is below the first three's.
+  EXPECT_LT(expected[kSteps - 1] + expected[kSteps - 2] + expected[kSteps - 3],
+            expected[0] + expected[1] + expected[2]);
 
   for (int r = 0; r < kWorld; ++r) {
     const std::vector<double> got = Field(reports[r], "loss");

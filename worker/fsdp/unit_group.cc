@@ -9,9 +9,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
+#include "common/memory_model.h"
 #include "worker/fsdp/collectives.h"
 #include "worker/fsdp/hooks.h"
-#include "common/memory_model.h"
 #include "worker/fsdp/memory_meter.h"
 
 namespace hsdp::fsdp {
@@ -216,13 +216,6 @@ void EngineCore::EndOfBackward() {
 }
 
 void EngineCore::BeforeFirstEntry(int index) {
-  // A usage error, not a collective one: thrown without the sticky status
-  // (fully_shard.h, "Errors").
-  TORCH_CHECK(index >= max_entered, kUsageErrorPrefix, "unit ",
-              units[index]->name(), " was entered after unit ",
-              units[std::max(max_entered, 0)]->name(),
-              ": a forward enters units in the order they were declared "
-              "(FullyShard order; a unit may be skipped, or entered again)");
   while (max_entered + 1 < index) units[max_entered + 1]->SkipForward();
   max_entered = index;
 }
@@ -263,6 +256,7 @@ void EngineCore::ResetPassFlags() {
     unit->forward_calls = 0;
     unit->backward_calls = 0;
     unit->last_exit = -1;
+    unit->skipped = false;
   }
 }
 
@@ -480,8 +474,18 @@ void UnitGroup::Reshard() {
 
 void UnitGroup::PreForward() {
   core_->CheckOk();
-  if (!forwarded && core_->recompute_depth == 0)
-    core_->BeforeFirstEntry(index_);
+  if (core_->recompute_depth == 0) {
+    // A unit skipped when a later one was entered, entered now: the forward
+    // runs units out of their declared order. A usage error, not a collective
+    // one: thrown without the sticky status (fully_shard.h, "Errors").
+    TORCH_CHECK(!skipped, kUsageErrorPrefix, "unit ", name_,
+                " was entered after unit ",
+                core_->units[std::max(core_->max_entered, 0)]->name(),
+                ": a forward enters units in the order they were declared "
+                "(FullyShard order; a unit may be skipped, or entered again "
+                "after it ran)");
+    if (!forwarded) core_->BeforeFirstEntry(index_);
+  }
   if (core_->trace != nullptr) forward_begin_ns_ = TraceRecorder::NowNanos();
   if (index_ == 0 && core_->recompute_depth == 0) core_->BeginForwardMeasure();
   Unshard();
@@ -513,6 +517,7 @@ void UnitGroup::PostForward() {
 void UnitGroup::SkipForward() {
   PreForward();
   PostForward();
+  skipped = true;
 }
 
 void UnitGroup::PreBackward() {
@@ -889,6 +894,7 @@ void UnitGroup::DiscardStep() {
   forward_calls = 0;
   backward_calls = 0;
   last_exit = -1;
+  skipped = false;
 }
 
 int64_t UnitGroup::FlatBufferBytes() const {

@@ -129,10 +129,10 @@ class EngineCore {
   // Runs post-backward for units whose hook did not fire, waits for all
   // reductions, resets the per-backward flags.
   void EndOfBackward();
-  // Before unit `index` is entered for the first time in this pass: refuses a
-  // unit entered after a later one, and runs the forward collectives of the
-  // units skipped since the last one entered (see "Every rank, the same
-  // collectives" in fully_shard.h).
+  // Before unit `index` is entered for the first time in this pass: runs the
+  // forward collectives of the units skipped since the last one entered (see
+  // "Every rank, the same collectives" in fully_shard.h); entering one of
+  // those later fails that forward (UnitGroup::PreForward).
   void BeforeFirstEntry(int index);
   // The same for the units after the last one entered; once per pass (from
   // root's post-forward, the first pre-backward, or the next Apply).
@@ -290,6 +290,8 @@ class UnitGroup {
   int forward_calls = 0;
   int backward_calls = 0;
   int last_exit = -1;
+  // SkipForward ran for it this pass (a later unit was entered first).
+  bool skipped = false;
 
  private:
   enum class State { kSharded, kGathering, kUnsharded };

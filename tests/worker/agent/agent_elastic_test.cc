@@ -265,7 +265,12 @@ TEST_F(AgentElasticTest, VotesSurviveACoordinatorRestart) {
   auto b = MakeAgent(1);
   ASSERT_TRUE(a->Join().ok());
   ASSERT_TRUE(b->Join().ok());
+  // As ranks do: a step is fetched (sealed, persisted) before it is trained
+  // and committed; the restarted coordinator refuses a committed step with no
+  // sealed record.
+  ASSERT_TRUE(a->GetSchedule(0, 0).ok());
   CommitBoth(*a, *b, 0, false);
+  ASSERT_TRUE(a->GetSchedule(1, 0).ok());
   absl::StatusOr<hsdp::v1::CommitStepResponse> waiting;
   std::thread voter([&] { waiting = a->CommitStep(1); });
   absl::SleepFor(absl::Milliseconds(100));

@@ -156,7 +156,7 @@ def main() -> None:
     torch.jit.script(OneArgForward()).save(
         os.path.join(out, "one_arg_forward.pt"))
     torch.manual_seed(1)
-    mixture = moe.Moe(vocab_size=32, d_model=6, d_ff=10, n_layers=2, experts=8,
+    mixture = moe.Moe(vocab_size=256, d_model=6, d_ff=10, n_layers=2, experts=8,
                       seq_len=8)
     torch.jit.script(mixture).save(os.path.join(out, "moe.pt"))
     torch.jit.script(moe_reference(mixture)).save(

@@ -322,7 +322,10 @@ TEST_P(MoeGradientsTest, EqualPyTorchsOwnOnEveryMesh) {
       const fsdp::ShardedTensor& st = layout.at(name);
       const at::Tensor rows =
           it->second.narrow(0, st.row_offset, shard.size(0));
-      EXPECT_LT((shard.grad() - rows).abs().max().item<double>(), 1e-6) << name;
+      if (rows.numel() > 0) {
+        EXPECT_LT((shard.grad() - rows).abs().max().item<double>(), 1e-6)
+            << name;
+      }
       if (rank.rank == 0) ++checked;
     }
   });

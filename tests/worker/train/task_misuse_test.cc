@@ -20,6 +20,7 @@
 #include "gtest/gtest.h"
 #include "worker/train/runner.h"
 #include "worker/train/task.h"
+#include "worker/train/task_util.h"
 #include "worker/train/unit.h"
 
 namespace hsdp::train {
@@ -56,7 +57,6 @@ class MisuseTask : public Task {
   explicit MisuseTask(Misuse misuse) : misuse_(misuse) {}
   std::string Name() const override { return "misuse"; }
   absl::Status Build(const BuildContext& context) override {
-    torch::manual_seed(static_cast<int64_t>(context.seed));
     model_ = std::make_shared<torch::nn::Module>("Misuse");
     stem_ = model_->register_module("stem",
                                     torch::nn::Linear(kFeatures, kFeatures));
@@ -66,6 +66,9 @@ class MisuseTask : public Task {
     }
     head_ =
         model_->register_module("head", torch::nn::Linear(kFeatures, kClasses));
+    // Ranks are threads here: torch's global generator would give each
+    // another init.
+    InitParameters(*model_, context.seed);
     extra_ = torch::nn::Linear(kFeatures, kFeatures);  // never registered
     scale_ = torch::ones({kFeatures}).requires_grad_();
     return absl::OkStatus();
@@ -184,6 +187,11 @@ Outcome RunMisuse(Misuse misuse, const std::string& name,
   job.job_id = job_id;
   job.world_size = kWorld;
   job.mesh = MeshShape{1, kWorld};
+  // Without forward prefetch: a prefetched unit's parameters are being
+  // gathered when the next module runs, so a direct call of it would read
+  // them (possibly before they arrived) instead of failing. The Unit<>
+  // wrapper is what makes that call impossible to get wrong.
+  if (misuse == Misuse::kDirectCall) job.policy.set_forward_prefetch_depth(0);
   coordinator::ServerOptions server_options;
   server_options.listen = "127.0.0.1:0";
   server_options.sync_state = false;
