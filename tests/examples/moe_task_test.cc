@@ -5,30 +5,22 @@
 // within 1e-5, with no step anywhere near the collective timeout.
 #include "moe_task.h"
 
-#include <unistd.h>
-
-#include <cstdio>
-#include <cstdlib>
-#include <fstream>
 #include <memory>
 #include <set>
 #include <string>
-#include <thread>
 #include <tuple>
 #include <vector>
 
 #include "absl/status/status.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "coordinator/server.h"
 #include "gtest/gtest.h"
+#include "tests/worker/train/task_cluster.h"
 #include "worker/train/runner.h"
 #include "worker/train/training_options.h"
 
 namespace moe {
 namespace {
 
-using hsdp::train::ReferenceOptions;
 using hsdp::train::TaskArgs;
 using hsdp::train::TrainingOptions;
 
@@ -69,31 +61,8 @@ TrainingOptions Training(const MeshCase& c = {2, 2}) {
   return t;
 }
 
-std::string FreshFile(const std::string& name) {
-  const std::string path =
-      absl::StrCat(::testing::TempDir(), "/", getpid(), "-", name);
-  std::remove(path.c_str());
-  return path;
-}
-
-// The numeric value of `key` on each report line that has it.
-std::vector<double> Field(const std::string& path, const std::string& key) {
-  std::ifstream in(path);
-  std::vector<double> out;
-  std::string line;
-  const std::string needle = absl::StrCat("\"", key, "\":");
-  while (std::getline(in, line)) {
-    const size_t at = line.find(needle);
-    if (at == std::string::npos || line.find("\"rank\":-1") == 0) continue;
-    const size_t begin = at + needle.size();
-    double v = 0;
-    EXPECT_TRUE(absl::SimpleAtod(
-        line.substr(begin, line.find_first_of(",}", begin) - begin), &v))
-        << line;
-    out.push_back(v);
-  }
-  return out;
-}
+using hsdp::train::testing::FreshFile;
+using hsdp::train::testing::ReportField;
 
 TEST(MoeTaskTest, BadSettingsAreRefusedNamingThem) {
   std::vector<std::pair<TaskArgs, std::string>> cases(4);
@@ -152,68 +121,35 @@ std::string CaseName(const MeshCase& c) {
 class MoeMeshTest : public ::testing::TestWithParam<MeshCase> {};
 
 TEST_P(MoeMeshTest, ShardedMatchesSingleProcessReference) {
-  unsetenv("HSDP_JOB_TOKEN");
-  unsetenv("HSDP_JOB_TOKEN_FILE");
   const MeshCase& c = GetParam();
-  const int replicate = c.replicate;
-  const int shard = c.shard;
-  const std::string job_id = absl::StrCat("moe-test-", CaseName(c));
-  hsdp::coordinator::JobConfig job;
-  job.job_id = job_id;
-  job.world_size = kWorld;
-  job.mesh = hsdp::MeshShape{replicate, shard};
-  hsdp::coordinator::ServerOptions server_options;
-  server_options.listen = "127.0.0.1:0";
-  server_options.sync_state = false;
-  auto server =
-      hsdp::coordinator::CoordinatorServer::Start(job, server_options);
-  ASSERT_TRUE(server.ok()) << server.status();
-
-  std::vector<std::string> reports;
-  std::vector<absl::Status> results(kWorld);
-  std::vector<std::thread> ranks;
+  hsdp::train::TaskArgs args;
+  args.model = kModelName;
+  const hsdp::train::testing::ClusterRun run = hsdp::train::testing::RunCluster(
+      absl::StrCat("moe-test-", CaseName(c)),
+      hsdp::MeshShape{c.replicate, c.shard}, MakeTask, Training(c), args);
+  ASSERT_EQ(run.results.size(), static_cast<size_t>(kWorld));
   for (int r = 0; r < kWorld; ++r) {
-    reports.push_back(FreshFile(absl::StrCat(job_id, "-rank-", r, ".jsonl")));
-    hsdp::train::WorkerOptions w;
-    w.training = Training(c);
-    w.process.report_file = reports.back();
-    w.task_args.model = kModelName;
-    w.coordinator = (*server)->address();
-    w.job_id = job_id;
-    w.rank_hint = r;
-    w.gloo_hostname = "127.0.0.1";
-    w.shared_memory = false;
-    w.collective_timeout = absl::Seconds(30);
-    w.coordinator_timeout = absl::Seconds(30);
-    ranks.emplace_back(
-        [w, r, &results] { results[r] = hsdp::train::RunTask(MakeTask(), w); });
+    ASSERT_TRUE(run.results[r].ok()) << "rank " << r << ": " << run.results[r];
   }
-  for (std::thread& t : ranks) t.join();
-  (*server)->Shutdown();
-  for (int r = 0; r < kWorld; ++r) {
-    ASSERT_TRUE(results[r].ok()) << "rank " << r << ": " << results[r];
-  }
-
-  ReferenceOptions ref;
-  ref.training = Training(c);
-  ref.world_size = kWorld;
-  ref.microbatches = 1;
-  ref.process.report_file = FreshFile(absl::StrCat(job_id, "-ref.jsonl"));
-  ASSERT_TRUE(hsdp::train::RunReference(MakeTask(), ref).ok());
-  const std::vector<double> expected = Field(ref.process.report_file, "loss");
+  const std::string ref =
+      FreshFile(absl::StrCat("moe-test-", CaseName(c), "-ref.jsonl"));
+  ASSERT_TRUE(
+      hsdp::train::testing::RunTaskReference(MakeTask, Training(c), kWorld, ref)
+          .ok());
+  const std::vector<double> expected = ReportField(ref, "loss");
   ASSERT_EQ(expected.size(), static_cast<size_t>(kSteps));
   // It learns: the last three steps' mean loss is below the first three's.
   EXPECT_LT(expected[kSteps - 1] + expected[kSteps - 2] + expected[kSteps - 3],
             expected[0] + expected[1] + expected[2]);
 
   for (int r = 0; r < kWorld; ++r) {
-    const std::vector<double> got = Field(reports[r], "loss");
+    const std::vector<double> got = ReportField(run.reports[r], "loss");
     ASSERT_EQ(got.size(), static_cast<size_t>(kSteps)) << "rank " << r;
     for (int s = 0; s < kSteps; ++s) {
       EXPECT_NEAR(got[s], expected[s], kTolerance)
           << "rank " << r << " step " << s;
     }
-    for (double seconds : Field(reports[r], "step_seconds"))
+    for (double seconds : ReportField(run.reports[r], "step_seconds"))
       EXPECT_LT(seconds, kMaxStepSeconds) << "rank " << r;
   }
 }

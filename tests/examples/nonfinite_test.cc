@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -33,6 +34,13 @@
 
 namespace resnet {
 namespace {
+
+// The ranks, the coordinator and the test's own status client share one
+// process: a socket closed at shutdown must give EPIPE, not kill the test.
+const bool kIgnoreSigpipe = [] {
+  std::signal(SIGPIPE, SIG_IGN);
+  return true;
+}();
 
 using hsdp::train::Batch;
 using hsdp::train::BatchRequest;

@@ -4,19 +4,14 @@
 // single-process reference. task_example_in_sync checks that the code
 // between the markers is the comment's, line for line.
 #include <torch/torch.h>
-#include <unistd.h>
 
-#include <cstdio>
-#include <fstream>
 #include <memory>
 #include <string>
-#include <thread>
 #include <vector>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "coordinator/server.h"
 #include "gtest/gtest.h"
+#include "tests/worker/train/task_cluster.h"
 #include "worker/train/runner.h"
 #include "worker/train/task.h"
 #include "worker/train/task_util.h"
@@ -77,29 +72,6 @@ class MyTask : public hsdp::train::Task {
 constexpr int kWorld = 2;
 constexpr int kSteps = 30;
 
-std::string FreshFile(const std::string& name) {
-  const std::string path =
-      absl::StrCat(::testing::TempDir(), "/", getpid(), "-", name);
-  std::remove(path.c_str());
-  return path;
-}
-
-std::vector<double> Losses(const std::string& path) {
-  std::ifstream in(path);
-  std::vector<double> out;
-  std::string line;
-  while (std::getline(in, line)) {
-    const size_t at = line.find("\"loss\":");
-    if (at == std::string::npos) continue;
-    double v = 0;
-    const size_t begin = at + 7;
-    if (absl::SimpleAtod(
-            line.substr(begin, line.find_first_of(",}", begin) - begin), &v))
-      out.push_back(v);
-  }
-  return out;
-}
-
 hsdp::train::TrainingOptions Training() {
   hsdp::train::TrainingOptions t;
   t.steps = kSteps;
@@ -111,47 +83,16 @@ hsdp::train::TrainingOptions Training() {
 }
 
 TEST(TaskExampleTest, TrainsShardedAndMatchesItsReference) {
-  unsetenv("HSDP_JOB_TOKEN");
-  unsetenv("HSDP_JOB_TOKEN_FILE");
-  hsdp::coordinator::JobConfig job;
-  job.job_id = "task-example";
-  job.world_size = kWorld;
-  job.mesh = hsdp::MeshShape{1, kWorld};
-  hsdp::coordinator::ServerOptions server_options;
-  server_options.listen = "127.0.0.1:0";
-  server_options.sync_state = false;
-  auto server =
-      hsdp::coordinator::CoordinatorServer::Start(job, server_options);
-  ASSERT_TRUE(server.ok()) << server.status();
-  const std::string report = FreshFile("task-example-0.jsonl");
-  std::vector<absl::Status> results(kWorld);
-  std::vector<std::thread> ranks;
-  for (int r = 0; r < kWorld; ++r) {
-    hsdp::train::WorkerOptions w;
-    w.training = Training();
-    if (r == 0) w.process.report_file = report;
-    w.coordinator = (*server)->address();
-    w.job_id = job.job_id;
-    w.rank_hint = r;
-    w.gloo_hostname = "127.0.0.1";
-    w.shared_memory = false;
-    w.collective_timeout = absl::Seconds(20);
-    w.coordinator_timeout = absl::Seconds(20);
-    ranks.emplace_back([w, r, &results] {
-      results[r] = hsdp::train::RunTask(std::make_unique<MyTask>(), w);
-    });
-  }
-  for (std::thread& t : ranks) t.join();
-  (*server)->Shutdown();
-  for (int r = 0; r < kWorld; ++r) ASSERT_TRUE(results[r].ok()) << results[r];
-
-  hsdp::train::ReferenceOptions ref;
-  ref.training = Training();
-  ref.world_size = kWorld;
-  ref.process.report_file = FreshFile("task-example-ref.jsonl");
-  ASSERT_TRUE(hsdp::train::RunReference(std::make_unique<MyTask>(), ref).ok());
-  const std::vector<double> want = Losses(ref.process.report_file);
-  const std::vector<double> got = Losses(report);
+  namespace t = hsdp::train::testing;
+  const t::TaskMaker make = [] { return std::make_unique<MyTask>(); };
+  const t::ClusterRun run = t::RunCluster(
+      "task-example", hsdp::MeshShape{1, kWorld}, make, Training());
+  ASSERT_EQ(run.results.size(), static_cast<size_t>(kWorld));
+  for (const absl::Status& s : run.results) ASSERT_TRUE(s.ok()) << s;
+  const std::string ref = t::FreshFile("task-example-ref.jsonl");
+  ASSERT_TRUE(t::RunTaskReference(make, Training(), kWorld, ref).ok());
+  const std::vector<double> want = t::ReportField(ref, "loss");
+  const std::vector<double> got = t::ReportField(run.reports[0], "loss");
   ASSERT_EQ(want.size(), static_cast<size_t>(kSteps));
   ASSERT_EQ(got.size(), want.size());
   for (int s = 0; s < kSteps; ++s) EXPECT_NEAR(got[s], want[s], 1e-6) << s;

@@ -4,20 +4,15 @@
 // never a silent wrong number. Each runs sharded (1x2, RunTask threads under
 // an in-process coordinator) and through RunReference.
 #include <torch/torch.h>
-#include <unistd.h>
 
-#include <cstdio>
-#include <fstream>
 #include <memory>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "coordinator/server.h"
 #include "gtest/gtest.h"
+#include "tests/worker/train/task_cluster.h"
 #include "worker/train/runner.h"
 #include "worker/train/task.h"
 #include "worker/train/task_util.h"
@@ -147,29 +142,6 @@ TrainingOptions Training() {
   return t;
 }
 
-std::string FreshFile(const std::string& name) {
-  const std::string path =
-      absl::StrCat(::testing::TempDir(), "/", getpid(), "-", name);
-  std::remove(path.c_str());
-  return path;
-}
-
-std::vector<double> Losses(const std::string& path) {
-  std::ifstream in(path);
-  std::vector<double> out;
-  std::string line;
-  while (std::getline(in, line)) {
-    const size_t at = line.find("\"loss\":");
-    if (at == std::string::npos) continue;
-    double v = 0;
-    const size_t begin = at + 7;
-    if (absl::SimpleAtod(
-            line.substr(begin, line.find_first_of(",}", begin) - begin), &v))
-      out.push_back(v);
-  }
-  return out;
-}
-
 struct Outcome {
   absl::Status sharded;  // rank 0's
   absl::Status reference;
@@ -179,53 +151,26 @@ struct Outcome {
 
 Outcome RunMisuse(Misuse misuse, const std::string& name,
                   TrainingOptions training = Training()) {
-  unsetenv("HSDP_JOB_TOKEN");
-  unsetenv("HSDP_JOB_TOKEN_FILE");
   Outcome out;
-  const std::string job_id = absl::StrCat("misuse-", name);
-  coordinator::JobConfig job;
-  job.job_id = job_id;
-  job.world_size = kWorld;
-  job.mesh = MeshShape{1, kWorld};
-  // Without forward prefetch: a prefetched unit's parameters are being
-  // gathered when the next module runs, so a direct call of it would read
-  // them (possibly before they arrived) instead of failing. The Unit<>
-  // wrapper is what makes that call impossible to get wrong.
-  if (misuse == Misuse::kDirectCall) job.policy.set_forward_prefetch_depth(0);
-  coordinator::ServerOptions server_options;
-  server_options.listen = "127.0.0.1:0";
-  server_options.sync_state = false;
-  auto server = coordinator::CoordinatorServer::Start(job, server_options);
-  EXPECT_TRUE(server.ok()) << server.status();
-  if (!server.ok()) return out;
-  std::vector<absl::Status> results(kWorld);
-  std::vector<std::thread> ranks;
-  const std::string report = FreshFile(absl::StrCat(job_id, "-0.jsonl"));
-  for (int r = 0; r < kWorld; ++r) {
-    WorkerOptions w;
-    w.training = training;
-    if (r == 0) w.process.report_file = report;
-    w.coordinator = (*server)->address();
-    w.job_id = job_id;
-    w.rank_hint = r;
-    w.gloo_hostname = "127.0.0.1";
-    w.shared_memory = false;
-    w.collective_timeout = absl::Seconds(20);
-    w.coordinator_timeout = absl::Seconds(20);
-    ranks.emplace_back([w, r, misuse, &results] {
-      results[r] = RunTask(std::make_unique<MisuseTask>(misuse), w);
-    });
-  }
-  for (std::thread& t : ranks) t.join();
-  (*server)->Shutdown();
-  out.sharded = results[0];
-  out.sharded_losses = Losses(report);
-  ReferenceOptions ref;
-  ref.training = training;
-  ref.world_size = kWorld;
-  ref.process.report_file = FreshFile(absl::StrCat(job_id, "-ref.jsonl"));
-  out.reference = RunReference(std::make_unique<MisuseTask>(misuse), ref);
-  out.reference_losses = Losses(ref.process.report_file);
+  const testing::TaskMaker make = [misuse] {
+    return std::make_unique<MisuseTask>(misuse);
+  };
+  const testing::ClusterRun run = testing::RunCluster(
+      absl::StrCat("misuse-", name), MeshShape{1, kWorld}, make, training, {},
+      [misuse](coordinator::JobConfig& job) {
+        // Without forward prefetch: a prefetched unit's parameters are being
+        // gathered when the next module runs, so a direct call of it would
+        // read them (possibly before they arrived) instead of failing. The
+        // Unit<> wrapper is what makes that call impossible to get wrong.
+        if (misuse == Misuse::kDirectCall)
+          job.policy.set_forward_prefetch_depth(0);
+      });
+  if (run.results.empty()) return out;
+  out.sharded = run.results[0];
+  out.sharded_losses = testing::ReportField(run.reports[0], "loss");
+  const std::string ref = testing::FreshFile(absl::StrCat(name, "-ref.jsonl"));
+  out.reference = testing::RunTaskReference(make, training, kWorld, ref);
+  out.reference_losses = testing::ReportField(ref, "loss");
   return out;
 }
 
