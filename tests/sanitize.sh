@@ -7,7 +7,7 @@
 #                  the whole tree but the benchmarks in build-asan, then the fast test set
 #                  (ctest -LE slow: 494 tests). On 2 shared cores: build about 22 minutes with
 #                  some objects in ccache, 39.5 from cold; tests about 4.5 minutes at -j2
-#                  (README.md, "Sanitizers"); .ci/run runs it after ./deploy/test.sh.
+#                  (docs/developing.md, "Sanitizers"); .ci/run runs it after ./deploy/test.sh.
 #   asan-coordinator
 #                  the same over the torch-free half only (-DHSDP_BUILD_WORKER=OFF: coordinator,
 #                  common, hsdpctl, fuzz replays) in build-asan-coordinator: a quicker check.
