@@ -19,8 +19,8 @@
 #include "resnet.h"
 #include "synthetic_images.h"
 #include "worker/train/task.h"
-#include "worker/train/unit.h"
 #include "worker/train/task_options.h"
+#include "worker/train/unit.h"
 
 namespace resnet {
 
