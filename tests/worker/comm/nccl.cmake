@@ -25,6 +25,7 @@ if(HSDP_NCCL_ENABLED AND TARGET hsdp_comm)
   add_executable(nccl_communicator_fake_test ${CMAKE_CURRENT_LIST_DIR}/nccl_communicator_test.cc)
   target_link_libraries(nccl_communicator_fake_test PRIVATE hsdp_nccl_fake_runtime GTest::gmock
                         GTest::gtest GTest::gtest_main)
-  gtest_discover_tests(nccl_communicator_fake_test DISCOVERY_MODE PRE_TEST TEST_PREFIX "fake_nccl."
-                       PROPERTIES LABELS comm TIMEOUT 120)
+  gtest_discover_tests(nccl_communicator_fake_test DISCOVERY_MODE PRE_TEST
+    DISCOVERY_TIMEOUT ${HSDP_TEST_DISCOVERY_TIMEOUT} TEST_PREFIX "fake_nccl."
+    PROPERTIES LABELS comm TIMEOUT 120)
 endif()
