@@ -77,11 +77,26 @@ def run(rank, args, port, results):
     gen = torch.Generator().manual_seed(rank)
     times = []
     progress = open(args.progress_file, "a") if args.progress_file else None
+    param_storages = {p.storage().data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def pack(t):
+        # Bytes of the activations autograd keeps for backward: distinct storages, parameters
+        # left out (they are counted in the state).
+        key = t.storage().data_ptr()
+        if key not in param_storages:
+            saved[key] = t.storage().nbytes()
+        return t
+
     for step in range(args.steps):
         tokens = torch.randint(0, 256, (args.microbatch_size, seq + 1), generator=gen)
         dist.barrier()
         t0 = time.perf_counter()
-        logits = model(tokens[:, :-1])
+        if step == 0:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                logits = model(tokens[:, :-1])
+        else:
+            logits = model(tokens[:, :-1])
         loss = F.cross_entropy(logits.reshape(-1, 256), tokens[:, 1:].reshape(-1))
         opt.zero_grad()
         loss.backward()
@@ -97,7 +112,7 @@ def run(rank, args, port, results):
     # fp32 parameters + gradients + two AdamW moments, all replicated on every rank.
     state_bytes = n_params * 4 * 4
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    results[rank] = (state_bytes, rss, times)
+    results[rank] = (state_bytes, rss, times, sum(saved.values()))
     dist.destroy_process_group()
 
 
@@ -123,7 +138,7 @@ def main():
         # OPENBLAS_NUM_THREADS for this mode.
         results = {}
         run(args.rank, args, args.port, results)
-        state, rss, times = results[args.rank]
+        state, rss, times, activations = results[args.rank]
         times = times[args.warmup:]
         print(json.dumps({
             "impl": "ddp",
@@ -131,6 +146,7 @@ def main():
             "step_seconds": sum(times) / max(len(times), 1),
             "state_bytes": state,
             "rss_peak_bytes": rss,
+            "activation_bytes": activations,
         }))
         return
     with mp.Manager() as manager:
