@@ -7,11 +7,13 @@
 #   ddp      PyTorch DDP on Gloo (bench/ddp/ddp_gpt.py, one process per rank)
 # and prints per configuration the step time and its ratios, the bytes per step on the inter-host
 # links (counted on the interfaces) against each strategy's minimum, and per-rank peak memory.
-# bench/cluster/README.md derives the minimums and holds measured tables.
+# bench/cluster/README.md derives the minimums and holds measured tables. With --rounds N the
+# configurations run N times alternating (hsdp full ddp hsdp full ddp ...), so a change in the
+# machine's load hits each of them; the table shows means and every round's step time.
 #
 #   bench/cluster/run.sh [--build-dir DIR | --coordinator-bin F --worker-bin F] [--rate RATE[,RATE...]] [--hosts H] [--ranks-per-host G]
 #                        [--steps N] [--warmup N] [--microbatch-size N] [--configs "hsdp full ddp"]
-#                        [--burst BYTES] [--latency MS] [--mtu N] [--smoke] [--keep]
+#                        [--rounds N] [--burst BYTES] [--latency MS] [--mtu N] [--smoke] [--keep]
 #
 # Needs root, `ip netns`, nsenter/unshare (util-linux), tc with the tbf qdisc, Debian's
 # python3-torch (/usr/bin/python3) and built hsdp-coordinator and hsdp-worker. Exits 77 (ctest:
@@ -47,6 +49,7 @@ STEPS=20
 WARMUP=5
 MICROBATCH_SIZE=4
 CONFIGS="hsdp full ddp"
+ROUNDS=1
 BURST=""
 LATENCY_MS=10
 MTU=1500
@@ -68,6 +71,7 @@ while (($#)); do
     --warmup) WARMUP="$2"; shift ;;
     --microbatch-size) MICROBATCH_SIZE="$2"; shift ;;
     --configs) CONFIGS="$2"; shift ;;
+    --rounds) ROUNDS="$2"; shift ;;
     --burst) BURST="$2"; shift ;;
     --latency) LATENCY_MS="$2"; shift ;;
     --mtu) MTU="$2"; shift ;;
@@ -78,9 +82,15 @@ while (($#)); do
   esac
   shift
 done
+for config in $CONFIGS; do
+  case "$config" in
+    hsdp | full | ddp) ;;
+    *) echo "unknown config $config (hsdp, full, ddp)" >&2; exit 2 ;;
+  esac
+done
 WORLD=$((HOSTS * PER_HOST))
-((HOSTS >= 2 && PER_HOST >= 1 && STEPS > WARMUP && WARMUP >= 1)) || {
-  echo "need --hosts >= 2, --ranks-per-host >= 1, --steps > --warmup >= 1" >&2
+((HOSTS >= 2 && PER_HOST >= 1 && STEPS > WARMUP && WARMUP >= 1 && ROUNDS >= 1)) || {
+  echo "need --hosts >= 2, --ranks-per-host >= 1, --steps > --warmup >= 1, --rounds >= 1" >&2
   exit 2
 }
 ((HOSTS <= 200)) || { echo "--hosts at most 200" >&2; exit 2; }
@@ -317,19 +327,21 @@ echo "cluster bench: $HOSTS hosts x $PER_HOST ranks (network namespaces on one m
 status=0
 for rate in ${RATES//,/ }; do
   shape_links "$rate"
+  load_before="$(uptime | sed 's/.*load average: //')"
   dirs=()
-  for config in $CONFIGS; do
-    dir="$work/$rate-$config"
-    case "$config" in
-      hsdp) run_hsdp "$dir" "${HOSTS}x${PER_HOST}" ;;
-      full) run_hsdp "$dir" "1x${WORLD}" ;;
-      ddp) run_ddp "$dir" ;;
-      *) fail "unknown config $config (hsdp, full, ddp)" ;;
-    esac
-    echo "  $config: done ($(tail -n 1 "$dir/watch.log"))"
-    dirs+=("$config=$dir")
+  for ((round = 1; round <= ROUNDS; round++)); do
+    for config in $CONFIGS; do
+      dir="$work/$rate-$config-$round"
+      case "$config" in
+        hsdp) run_hsdp "$dir" "${HOSTS}x${PER_HOST}" ;;
+        full) run_hsdp "$dir" "1x${WORLD}" ;;
+        ddp) run_ddp "$dir" ;;
+      esac
+      echo "  round $round $config: done ($(tail -n 1 "$dir/watch.log"))"
+      dirs+=("$config=$dir")
+    done
   done
-  echo "load average at measurement: $(uptime | sed 's/.*load average: //')"
+  echo "load average (1, 5, 15 min) before: $load_before; after: $(uptime | sed 's/.*load average: //')"
   smoke=()
   [ -z "$SMOKE" ] || smoke=(--smoke)
   "$PY" "$here/report.py" --rate "$rate" --shaping "$shaping" --hosts "$HOSTS" \
