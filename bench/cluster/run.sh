@@ -125,6 +125,7 @@ namespaces=()
 pids=()
 holders=()
 
+# shellcheck disable=SC2317  # run by the EXIT trap
 cleanup() {
   local p ns
   for p in "${pids[@]}" "${holders[@]}"; do kill -KILL "$p" 2>/dev/null; done
