@@ -5,6 +5,10 @@ Spawns WORLD CPU processes (one thread each), trains STEPS steps of AdamW on a g
 WORLD * MICROBATCH_SIZE sequences, and prints one JSON line: mean step time (after warm-up,
 slowest rank per step) and per-rank peak memory (parameter + gradient + AdamW state bytes, and
 process max RSS).
+
+With --rank R this process is rank R alone and the caller starts the others (one per network
+namespace in bench/cluster): rendezvous at --master-addr, one JSON line for this rank, and with
+--progress-file one line per finished step, so a watcher can tell where the job is.
 """
 import argparse
 import json
@@ -63,7 +67,7 @@ class Gpt(nn.Module):
 
 def run(rank, args, port, results):
     torch.set_num_threads(args.threads)
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_ADDR"] = args.master_addr
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group("gloo", rank=rank, world_size=args.world)
     torch.manual_seed(0)
@@ -72,11 +76,27 @@ def run(rank, args, port, results):
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     gen = torch.Generator().manual_seed(rank)
     times = []
+    progress = open(args.progress_file, "a") if args.progress_file else None
+    param_storages = {p.storage().data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def pack(t):
+        # Bytes of the activations autograd keeps for backward: distinct storages, parameters
+        # left out (they are counted in the state).
+        key = t.storage().data_ptr()
+        if key not in param_storages:
+            saved[key] = t.storage().nbytes()
+        return t
+
     for step in range(args.steps):
         tokens = torch.randint(0, 256, (args.microbatch_size, seq + 1), generator=gen)
         dist.barrier()
         t0 = time.perf_counter()
-        logits = model(tokens[:, :-1])
+        if step == 0:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                logits = model(tokens[:, :-1])
+        else:
+            logits = model(tokens[:, :-1])
         loss = F.cross_entropy(logits.reshape(-1, 256), tokens[:, 1:].reshape(-1))
         opt.zero_grad()
         loss.backward()
@@ -84,11 +104,15 @@ def run(rank, args, port, results):
         t = torch.tensor([time.perf_counter() - t0])
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         times.append(t.item())
+        if progress:
+            progress.write(json.dumps({"step": step, "step_seconds": t.item(),
+                                       "unix_time": time.time()}) + "\n")
+            progress.flush()
     n_params = sum(p.numel() for p in model.parameters())
     # fp32 parameters + gradients + two AdamW moments, all replicated on every rank.
     state_bytes = n_params * 4 * 4
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    results[rank] = (state_bytes, rss, times)
+    results[rank] = (state_bytes, rss, times, sum(saved.values()))
     dist.destroy_process_group()
 
 
@@ -102,10 +126,29 @@ def main():
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--port", type=int, default=29517)
+    p.add_argument("--rank", type=int, default=-1, help="run only this rank (default: spawn all)")
+    p.add_argument("--master-addr", default="127.0.0.1")
+    p.add_argument("--progress-file", default="")
     args = p.parse_args()
     # torch.set_num_threads does not reach OpenBLAS's own pthread pool (one thread
     # per core by default); the spawned ranks read this when they load it.
     os.environ["OPENBLAS_NUM_THREADS"] = str(args.threads)
+    if args.rank >= 0:
+        # OpenBLAS has already read its environment here (import torch): the caller sets
+        # OPENBLAS_NUM_THREADS for this mode.
+        results = {}
+        run(args.rank, args, args.port, results)
+        state, rss, times, activations = results[args.rank]
+        times = times[args.warmup:]
+        print(json.dumps({
+            "impl": "ddp",
+            "rank": args.rank,
+            "step_seconds": sum(times) / max(len(times), 1),
+            "state_bytes": state,
+            "rss_peak_bytes": rss,
+            "activation_bytes": activations,
+        }))
+        return
     with mp.Manager() as manager:
         results = manager.dict()
         mp.spawn(run, args=(args, args.port, results), nprocs=args.world, join=True)
