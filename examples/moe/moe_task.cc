@@ -117,17 +117,17 @@ absl::StatusOr<hsdp::train::UnitSpec> MoeTask::BuildUnit(int index) {
 absl::StatusOr<hsdp::train::Batch> MoeTask::GetBatch(
     const hsdp::train::BatchRequest& request) {
   at::Tensor tokens =
-      torch::empty({request.count, config_.seq_len + 1}, torch::kLong);
+      torch::empty({request.sample_count, config_.seq_len + 1}, torch::kLong);
   auto acc = tokens.accessor<int64_t, 2>();
   const at::Tensor patterns = torch::randint(
       config_.vocab, {kPatterns, kPatternLength},
       hsdp::train::NamedGenerator(request.seed, "patterns"), torch::kLong);
   const auto p = patterns.accessor<int64_t, 2>();
-  for (int64_t b = 0; b < request.count; ++b) {
+  for (int64_t b = 0; b < request.sample_count; ++b) {
     const int64_t k =
         torch::randint(kPatterns, {1},
                        hsdp::train::SampleGenerator(request.seed, request.step,
-                                                    request.first + b),
+                                                    request.first_sample + b),
                        torch::kLong)
             .item<int64_t>();
     for (int64_t i = 0; i <= config_.seq_len; ++i)

@@ -80,8 +80,8 @@ void ResNetTask::ReleaseUnit(int index) {
 
 absl::StatusOr<hsdp::train::Batch> ResNetTask::GetBatch(
     const hsdp::train::BatchRequest& request) {
-  ImageBatch batch =
-      data_.Slice(request.seed, request.step, request.first, request.count);
+  ImageBatch batch = data_.Slice(request.seed, request.step,
+                                 request.first_sample, request.sample_count);
   return hsdp::train::Batch{std::move(batch.images), std::move(batch.labels)};
 }
 

@@ -94,7 +94,7 @@ class PoisonedTask : public hsdp::train::Task {
   absl::StatusOr<Batch> GetBatch(const BatchRequest& request) override {
     absl::StatusOr<Batch> batch = inner_->GetBatch(request);
     if (batch.ok() && request.step == kPoisonedStep &&
-        request.first == kPoisonedSlot * kMicrobatchSize) {
+        request.first_sample == kPoisonedSlot * kMicrobatchSize) {
       batch->input =
           at::full_like(batch->input, std::numeric_limits<float>::quiet_NaN());
     }

@@ -72,8 +72,8 @@ void GptTask::Shard(train::ShardContext& context) {
 absl::StatusOr<train::Batch> GptTask::GetBatch(
     const train::BatchRequest& request) {
   TokenBatch batch =
-      data_.GlobalSlice(request.seed, request.step, request.first,
-                        request.count, config_.seq_len);
+      data_.GlobalSlice(request.seed, request.step, request.first_sample,
+                        request.sample_count, config_.seq_len);
   return train::Batch{std::move(batch.tokens), std::move(batch.targets)};
 }
 

@@ -307,8 +307,9 @@ absl::StatusOr<train::UnitSpec> TorchScriptTask::BuildUnit(int index) {
 
 absl::StatusOr<train::Batch> TorchScriptTask::GetBatch(
     const train::BatchRequest& request) {
-  TokenBatch batch = data_.GlobalSlice(request.seed, request.step,
-                                       request.first, request.count, seq_len_);
+  TokenBatch batch =
+      data_.GlobalSlice(request.seed, request.step, request.first_sample,
+                        request.sample_count, seq_len_);
   return train::Batch{std::move(batch.tokens), std::move(batch.targets)};
 }
 

@@ -38,10 +38,10 @@
 //     }
 //     absl::StatusOr<hsdp::train::Batch> GetBatch(
 //         const hsdp::train::BatchRequest& r) override {
-//       at::Tensor x = torch::empty({r.count, 16});
-//       for (int64_t b = 0; b < r.count; ++b) {  // sample r.first + b
-//         x[b].normal_(0, 1, hsdp::train::SampleGenerator(r.seed, r.step,
-//                                                          r.first + b));
+//       at::Tensor x = torch::empty({r.sample_count, 16});
+//       for (int64_t b = 0; b < r.sample_count; ++b) {
+//         x[b].normal_(0, 1, hsdp::train::SampleGenerator(
+//                                r.seed, r.step, r.first_sample + b));
 //       }
 //       return hsdp::train::Batch{x, (x.sum(1) > 0).to(torch::kLong)};
 //     }
@@ -175,13 +175,15 @@ struct UnitSpec {
   std::shared_ptr<UnitBinding> binding = nullptr;
 };
 
-// Samples [first, first + count) of step `step`'s global batch. Sample indices
-// run over the whole global batch; the runner decides which rank trains which
-// (on any mesh, and in the reference, the same indices give the same samples).
+// Samples [first_sample, first_sample + sample_count) of step `step`'s global
+// batch: one microbatch. Sample indices run over the whole global batch (the
+// same numbering as a report file's first_sample / sample_count); the runner
+// decides which rank trains which (on any mesh, and in the reference, the
+// same indices give the same samples).
 struct BatchRequest {
   int64_t step = 0;
-  int64_t first = 0;
-  int64_t count = 0;
+  int64_t first_sample = 0;
+  int64_t sample_count = 0;
   uint64_t seed = 0;
 };
 

@@ -41,8 +41,8 @@ absl::Status CheckDeterministicBatch(Task& task, const BatchRequest& request,
   return absl::FailedPreconditionError(absl::StrCat(
       "Task::GetBatch gave other samples for the same request the second time "
       "(step ",
-      request.step, ", samples [", request.first, ", ",
-      request.first + request.count,
+      request.step, ", samples [", request.first_sample, ", ",
+      request.first_sample + request.sample_count,
       ")): batches must be a pure function of the request (seed, step, "
       "index), or every rank and the reference train on different data"));
 }

@@ -29,9 +29,9 @@ uint64_t MixSeed(uint64_t seed, absl::string_view name);
 at::Generator NamedGenerator(uint64_t seed, absl::string_view name);
 
 // The generator of sample `index` of step `step`'s global batch: a task whose
-// GetBatch draws sample r.first + b from SampleGenerator(r.seed, r.step,
-// r.first + b) gives every mesh, microbatch split and the reference the same
-// samples.
+// GetBatch draws sample r.first_sample + b from SampleGenerator(r.seed,
+// r.step, r.first_sample + b) gives every mesh, microbatch split and the
+// reference the same samples.
 at::Generator SampleGenerator(uint64_t seed, int64_t step, int64_t index);
 
 // Initialises every parameter of `module` from NamedGenerator(seed, prefix +

@@ -48,10 +48,10 @@ class MyTask : public hsdp::train::Task {
   }
   absl::StatusOr<hsdp::train::Batch> GetBatch(
       const hsdp::train::BatchRequest& r) override {
-    at::Tensor x = torch::empty({r.count, 16});
-    for (int64_t b = 0; b < r.count; ++b) {  // sample r.first + b
-      x[b].normal_(0, 1, hsdp::train::SampleGenerator(r.seed, r.step,
-                                                       r.first + b));
+    at::Tensor x = torch::empty({r.sample_count, 16});
+    for (int64_t b = 0; b < r.sample_count; ++b) {
+      x[b].normal_(0, 1, hsdp::train::SampleGenerator(
+                             r.seed, r.step, r.first_sample + b));
     }
     return hsdp::train::Batch{x, (x.sum(1) > 0).to(torch::kLong)};
   }

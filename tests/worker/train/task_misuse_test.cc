@@ -74,10 +74,10 @@ class MisuseTask : public Task {
     return blocks_.at(index).Spec(absl::StrCat("blocks.", index));
   }
   absl::StatusOr<Batch> GetBatch(const BatchRequest& r) override {
-    at::Tensor x = torch::empty({r.count, kFeatures});
-    at::Tensor y = torch::empty({r.count}, torch::kLong);
-    for (int64_t b = 0; b < r.count; ++b) {
-      const int64_t s = r.first + b + 7 * r.step;
+    at::Tensor x = torch::empty({r.sample_count, kFeatures});
+    at::Tensor y = torch::empty({r.sample_count}, torch::kLong);
+    for (int64_t b = 0; b < r.sample_count; ++b) {
+      const int64_t s = r.first_sample + b + 7 * r.step;
       for (int64_t f = 0; f < kFeatures; ++f)
         x[b][f] = static_cast<float>(((s * 5 + f * 3) % 11) - 5) / 5.0f;
       y[b] = s % kClasses;
