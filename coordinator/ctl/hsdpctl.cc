@@ -258,7 +258,11 @@ void AddTrainingRows(const hsdp::v1::TrainingSpec& spec, Table& t) {
   t.Add({"precision",
          absl::StrCat("params ", spec.param_dtype(), ", reduce ",
                       spec.reduce_dtype().empty() ? spec.param_dtype()
-                                                  : spec.reduce_dtype())});
+                                                  : spec.reduce_dtype(),
+                      ", accumulate ",
+                      spec.grad_accumulation_dtype().empty()
+                          ? spec.param_dtype()
+                          : spec.grad_accumulation_dtype())});
   t.Add({"cpu offload", spec.cpu_offload() ? "on" : "off"});
   t.Add({"recompute",
          spec.recompute_units().empty() ? "-" : spec.recompute_units()});

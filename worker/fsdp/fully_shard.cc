@@ -126,6 +126,13 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(
         absl::StrCat("Engine::Create: gradient_reduction.divide_factor ",
                      *divide, " is not positive"));
   }
+  const std::optional<c10::ScalarType>& accumulation =
+      options.mixed_precision.grad_accumulation_dtype;
+  if (accumulation.has_value() && !c10::isFloatingType(*accumulation)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("Engine::Create: mixed_precision.grad_accumulation_dtype ",
+                     c10::toString(*accumulation), " is not a floating dtype"));
+  }
   auto core = std::make_unique<EngineCore>(std::move(root), mesh, options);
   core->units.emplace_back(nullptr);  // slot 0: root, filled by FullyShardRoot
   return std::unique_ptr<Engine>(new Engine(std::move(core)));

@@ -127,12 +127,29 @@ void ShardedParam::FreeUnsharded() {
   unsharded_allocated_ = false;
 }
 
+void ShardedParam::FoldIntoMainGrad(c10::ScalarType dtype) {
+  const at::Tensor grad = module_param_.grad();
+  if (!grad.defined()) return;
+  at::NoGradGuard no_grad;
+  if (main_grad_.defined()) {
+    main_grad_.add_(grad);  // upcast in the add
+  } else {
+    main_grad_ = grad.to(dtype, /*non_blocking=*/false, /*copy=*/true);
+  }
+  module_param_.mutable_grad().reset();
+}
+
 void ShardedParam::ClearUnshardedGrad() {
   if (module_param_.grad().defined()) module_param_.mutable_grad().reset();
+  main_grad_.reset();
 }
 
 int64_t ShardedParam::grad_bytes() const {
-  return TensorBytes(sharded_.grad()) + TensorBytes(module_param_.grad());
+  return TensorBytes(sharded_.grad()) + unsharded_grad_bytes();
+}
+
+int64_t ShardedParam::unsharded_grad_bytes() const {
+  return TensorBytes(module_param_.grad()) + TensorBytes(main_grad_);
 }
 
 void ShardedParam::AccumulateShardedGrad(const at::Tensor& reduced,

@@ -79,11 +79,22 @@ class ShardedParam {
   void AllocUnsharded();            // no-op when allocated
   void FreeUnsharded();             // no-op when freed
 
-  // The unsharded gradient autograd accumulated on the module parameter (may be
-  // undefined).
-  at::Tensor unsharded_grad() const { return module_param_.grad(); }
+  // The unsharded gradient of this step so far (may be undefined): what
+  // autograd accumulated on the module parameter, or, once
+  // FoldIntoMainGrad() ran, the main gradient (which then holds it all).
+  at::Tensor unsharded_grad() const {
+    return main_grad_.defined() ? main_grad_ : module_param_.grad();
+  }
+  // Moves the module parameter's gradient into the main gradient, in `dtype`
+  // (fp32 for bf16 parameters: precision holds across many microbatches),
+  // adding to what it holds; the module parameter is left without a grad.
+  void FoldIntoMainGrad(c10::ScalarType dtype);
+  // Drops the module parameter's gradient and the main gradient.
   void ClearUnshardedGrad();
-  int64_t grad_bytes() const;  // sharded + unsharded grad bytes currently held
+  // Sharded + unsharded (module and main) grad bytes currently held.
+  int64_t grad_bytes() const;
+  // The unsharded part of grad_bytes(): module and main gradient.
+  int64_t unsharded_grad_bytes() const;
   // Adds `reduced` (valid rows, any dtype/device) into sharded().grad(). With
   // `may_steal` (the caller hands over a tensor nothing else uses) it becomes
   // the grad when there is none yet, instead of being copied.
@@ -104,6 +115,8 @@ class ShardedParam {
   at::Tensor sharded_;
   at::Tensor module_param_;
   at::Tensor unsharded_padded_;
+  // Unsharded, like module_param_.grad(); undefined unless folded into.
+  at::Tensor main_grad_;
   bool unsharded_allocated_ = false;
   bool aliases_shard_ = false;
 };

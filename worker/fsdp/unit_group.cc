@@ -84,9 +84,7 @@ int64_t EngineCore::UnshardedGradBytes() const {
   for (const auto& unit : units) {
     if (unit == nullptr) continue;
     for (const ShardedParam* p : unit->params()) {
-      const at::Tensor g = p->unsharded_grad();
-      if (g.defined())
-        bytes += static_cast<int64_t>(g.numel() * g.element_size());
+      bytes += p->unsharded_grad_bytes();
     }
   }
   return bytes + in_flight_grad_bytes;
@@ -290,6 +288,9 @@ UnitGroup::UnitGroup(EngineCore* core, int index, std::string name,
   compute_dtype_ = core_->param_dtype(master);
   reduce_dtype_ =
       core_->options.mixed_precision.reduce_dtype.value_or(compute_dtype_);
+  grad_accumulation_dtype_ =
+      core_->options.mixed_precision.grad_accumulation_dtype.value_or(
+          compute_dtype_);
   aliases_shard_ = !params_.empty();
   for (const auto& p : params_) {
     stats_.sharded_bytes += p->sharded_bytes();
@@ -564,6 +565,12 @@ void UnitGroup::FinishBackward() {
   // parameters are not alive next to the gradients and the flat reduction
   // buffer.
   if (reshard_after_backward || core_->is_last_backward) Reshard();
+  if (grad_accumulation_dtype_ != compute_dtype_) {
+    // This backward's gradients join the step's main gradients, which the
+    // reduction (now or at a later microbatch) reads.
+    for (ShardedParam* p : params())
+      p->FoldIntoMainGrad(grad_accumulation_dtype_);
+  }
   if (core_->requires_grad_sync && !params_.empty()) IssueReduction();
 }
 

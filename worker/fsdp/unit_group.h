@@ -327,6 +327,9 @@ class UnitGroup {
   State state_ = State::kSharded;
   c10::ScalarType compute_dtype_;
   c10::ScalarType reduce_dtype_;
+  // The dtype unsharded gradients accumulate in across microbatches; not
+  // compute_dtype_: each backward folds them into main gradients.
+  c10::ScalarType grad_accumulation_dtype_;
 
   // Flat buffers from core_->buffers, S chunks each. Collectives run in place:
   // rs_output_ is this rank's chunk of rs_input_ (undefined with one shard,

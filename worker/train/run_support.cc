@@ -51,6 +51,10 @@ fsdp::EngineOptions EngineOptionsFor(const TrainingOptions& t,
   } else if (!t.reduce_dtype.empty()) {
     eo.mixed_precision.reduce_dtype = DtypeFromName(t.reduce_dtype);
   }
+  if (!t.grad_accumulation_dtype.empty()) {
+    eo.mixed_precision.grad_accumulation_dtype =
+        DtypeFromName(t.grad_accumulation_dtype);
+  }
   eo.offload.offload_params = t.cpu_offload;
   if (t.grad_reduce == "sum") eo.gradient_reduction.op = comm::ReduceOp::kSum;
   if (t.grad_divide_factor > 0)
@@ -98,8 +102,9 @@ absl::StatusOr<Batch> MicrobatchBatch(Task& task, const BatchRequest& request,
   HSDP_ASSIGN_OR_RETURN(Batch batch, task.GetBatch(request));
   if (!batch.input.defined()) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "Task::GetBatch(step ", request.step, ", samples ", request.first, "..",
-        request.first + request.count, ") returned no input"));
+        "Task::GetBatch(step ", request.step, ", samples ",
+        request.first_sample, "..", request.first_sample + request.sample_count,
+        ") returned no input"));
   }
   batch.input = batch.input.to(device);
   if (batch.target.defined()) batch.target = batch.target.to(device);

@@ -84,6 +84,10 @@ struct TrainingOptions {
   // param_dtype is bf16).
   std::string param_dtype = "fp32";
   std::string reduce_dtype;
+  // The dtype a unit's gradients accumulate in across microbatches that do
+  // not synchronise them, "fp32" or "bf16" (empty: param_dtype). "fp32" with
+  // bf16 params: fp32 main gradients (fsdp::MixedPrecisionPolicy).
+  std::string grad_accumulation_dtype;
   // Shards, gradients and optimizer state live on the CPU.
   bool cpu_offload = false;
   // Glob over unit names ("layers.*"): those units drop their activations in

@@ -88,6 +88,12 @@ absl::Status ValidateTrainingOptions(const TrainingOptions& o) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--reduce-dtype: '", o.reduce_dtype, "' is not fp32 or bf16"));
   }
+  if (!o.grad_accumulation_dtype.empty() &&
+      !IsDtype(o.grad_accumulation_dtype)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--grad-accumulation-dtype: '", o.grad_accumulation_dtype,
+                     "' is not fp32 or bf16"));
+  }
   if (o.grad_reduce != "avg" && o.grad_reduce != "sum") {
     return absl::InvalidArgumentError(
         absl::StrCat("--grad-reduce: '", o.grad_reduce, "' is not avg or sum"));
@@ -138,6 +144,9 @@ hsdp::v1::TrainingSpec ToProto(const TrainingOptions& o,
   spec.set_reduce_dtype(o.reduce_dtype.empty()
                             ? (o.param_dtype == "bf16" ? "fp32" : o.param_dtype)
                             : o.reduce_dtype);
+  spec.set_grad_accumulation_dtype(o.grad_accumulation_dtype.empty()
+                                       ? o.param_dtype
+                                       : o.grad_accumulation_dtype);
   spec.set_cpu_offload(o.cpu_offload);
   spec.set_recompute_units(o.recompute_units);
   spec.set_clip_grad_norm(o.clip_grad_norm);

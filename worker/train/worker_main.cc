@@ -169,6 +169,11 @@ int RunWorkerMain(int argc, char** argv, const TaskFactory* factory,
   app.add_option("--reduce-dtype", t.reduce_dtype,
                  "dtype gradients are reduced in (default: fp32)")
       ->envname("HSDP_REDUCE_DTYPE");
+  app.add_option("--grad-accumulation-dtype", t.grad_accumulation_dtype,
+                 "dtype gradients accumulate in across microbatches that do "
+                 "not synchronise them: fp32 or bf16 (default: the param "
+                 "dtype; fp32 with bf16 params keeps fp32 main gradients)")
+      ->envname("HSDP_GRAD_ACCUMULATION_DTYPE");
   app.add_option("--grad-reduce", t.grad_reduce,
                  "how gradients combine across ranks: avg (the mean; for a "
                  "loss averaged over samples) or sum")

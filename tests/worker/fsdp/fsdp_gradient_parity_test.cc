@@ -6,6 +6,8 @@
 // plain SGD's update is the gradient itself.
 #include <torch/torch.h>
 
+#include <algorithm>
+#include <iostream>
 #include <map>
 #include <mutex>
 #include <string>
@@ -61,13 +63,15 @@ void PutRows(Engine& engine, StateDict& out, bool& agree, std::mutex& mu) {
   }
 }
 
+// `base`: mixed precision and the microbatches' sync mode.
 Sharded TrainSgdSharded(comm::MeshShape shape, int microbatches,
                         const StateDict& init, const ModelDims& dims,
-                        const GradientReduction& reduction = {}) {
+                        const GradientReduction& reduction = {},
+                        const RunConfig& base = {}) {
   Sharded result;
   result.grads.resize(kSteps);
   std::mutex mu;
-  RunConfig config;
+  RunConfig config = base;
   config.dims = dims;
   config.microbatches = microbatches;
   config.gradient_reduction = reduction;
@@ -199,6 +203,66 @@ INSTANTIATE_TEST_SUITE_P(
       return absl::StrCat(std::get<0>(info.param), "x", std::get<1>(info.param),
                           "_micro", std::get<2>(info.param));
     });
+
+// max |a - b| / max |b| over the gradients of one step.
+double RelativeDiff(const StateDict& a, const StateDict& b) {
+  double scale = 0;
+  for (const auto& [name, t] : b) {
+    scale = std::max(scale, t.abs().max().item<double>());
+  }
+  return MaxAbsDiff(a, b) / scale;
+}
+
+// bf16 compute, gradients synchronised only at the last of 6 microbatches.
+// With fp32 main gradients, the 6 bf16 gradients accumulate in fp32 before
+// the one reduction: the step's gradient equals, within fp32 rounding, the
+// run that reduces every microbatch (in fp32) and accumulates the reduced
+// shards in fp32. Accumulated in bf16 instead, it is off by bf16 rounding.
+TEST(MainGradTest, Fp32MainGradsKeepUnsyncedMicrobatchesAtFp32Precision) {
+  constexpr int kMicrobatches = 6;
+  const ModelDims dims;
+  const StateDict init = MakeInitialState(dims, 31);
+  RunConfig bf16;
+  bf16.mixed_precision.param_dtype = torch::kBFloat16;
+  bf16.mixed_precision.reduce_dtype = torch::kFloat;
+  bf16.mixed_precision.output_dtype = torch::kFloat;
+  RunConfig every = bf16;  // reduces each microbatch
+  RunConfig last_only = bf16;
+  last_only.sync_every_microbatch = false;
+  RunConfig main_grads = last_only;
+  main_grads.mixed_precision.grad_accumulation_dtype = torch::kFloat;
+  const comm::MeshShape mesh{1, 2};
+  const Sharded synced = TrainSgdSharded(mesh, kMicrobatches, init, dims,
+                                         GradientReduction(), every);
+  const Sharded fp32 = TrainSgdSharded(mesh, kMicrobatches, init, dims,
+                                       GradientReduction(), main_grads);
+  const Sharded in_bf16 = TrainSgdSharded(mesh, kMicrobatches, init, dims,
+                                          GradientReduction(), last_only);
+  // Step 0: the same parameters, so the same bf16 gradients per microbatch.
+  const double fp32_error = RelativeDiff(fp32.grads[0], synced.grads[0]);
+  const double bf16_error = RelativeDiff(in_bf16.grads[0], synced.grads[0]);
+  std::cout << "step 0 gradient vs reducing every microbatch: fp32 main grads "
+            << fp32_error << ", bf16 accumulation " << bf16_error
+            << " (max |diff| / max |grad|)\n";
+  EXPECT_LE(fp32_error, 1e-5);
+  EXPECT_GE(bf16_error, 1e-4);  // bf16's 8-bit mantissa: ~4e-3 per add
+  EXPECT_GT(bf16_error, 10 * fp32_error);
+}
+
+TEST(MainGradTest, NonFloatingAccumulationDtypeIsRefused) {
+  torch::nn::Linear model(2, 2);
+  EngineOptions options;
+  options.mixed_precision.grad_accumulation_dtype = torch::kInt;
+  RunOnMesh({1, 1}, [&](RankContext& ctx) {
+    absl::StatusOr<std::unique_ptr<Engine>> engine =
+        Engine::Create(model.ptr(), ctx.comms(), options);
+    ASSERT_FALSE(engine.ok());
+    EXPECT_EQ(engine.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(engine.status().message().find("grad_accumulation_dtype"),
+              std::string::npos)
+        << engine.status();
+  });
+}
 
 TEST(GradientReductionOptionsTest, NonPositiveDivideFactorIsRefused) {
   torch::nn::Linear model(2, 2);

@@ -176,6 +176,8 @@ TEST(TrainingOptionsTest, InvalidValuesNameTheFlag) {
       {[](TrainingOptions& t) { t.microbatch_size = 0; }, "--microbatch-size"},
       {[](TrainingOptions& t) { t.param_dtype = "fp16"; }, "--param-dtype"},
       {[](TrainingOptions& t) { t.reduce_dtype = "int8"; }, "--reduce-dtype"},
+      {[](TrainingOptions& t) { t.grad_accumulation_dtype = "fp16"; },
+       "--grad-accumulation-dtype"},
       {[](TrainingOptions& t) { t.optimizer.momentum = 0.5; }, "--momentum"},
       {[](TrainingOptions& t) { t.optimizer.weight_decay = -1; },
        "--weight-decay"},
@@ -210,6 +212,7 @@ TEST(TrainingOptionsTest, ProtoCarriesEverySetting) {
   EXPECT_DOUBLE_EQ(spec.optimizer().momentum(), 0.9);
   EXPECT_DOUBLE_EQ(spec.optimizer().weight_decay(), 0.0);
   EXPECT_EQ(spec.reduce_dtype(), "fp32");  // bf16 compute, fp32 reduce
+  EXPECT_EQ(spec.grad_accumulation_dtype(), "bf16");  // the param dtype
   EXPECT_EQ(spec.recompute_units(), "layers.*");
   EXPECT_EQ(spec.task_options().at("tie_embeddings"), "true");
   t.optimizer.kind = OptimizerKind::kAdamW;
