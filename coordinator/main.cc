@@ -1,7 +1,8 @@
 // hsdp-coordinator: serves one job's control plane. Flags (with env fallbacks)
-// as in the team contract; --job-file reads the same settings from a file of
-// `name = value` lines (the flag names without dashes, e.g. `world-size = 4`);
-// command-line flags win over the file, the file over the environment.
+// as tests/deploy/contract.py lists them; --job-file reads the same settings
+// from a file of `name = value` lines (the flag names without dashes, e.g.
+// `world-size = 4`); command-line flags win over the file, the file over the
+// environment.
 #include <signal.h>
 
 #include <CLI/CLI.hpp>

@@ -20,7 +20,7 @@
 namespace hsdp::fsdp::testing {
 namespace {
 
-constexpr double kParityTolerance = 1e-5;  // fp32, as the issue asks
+constexpr double kParityTolerance = 1e-5;  // fp32 sums in another order
 
 // Mean over ranks of each step's local loss: the global-batch loss (equal local
 // batch sizes).
