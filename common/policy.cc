@@ -1,13 +1,13 @@
 #include "common/policy.h"
 
-#include <fstream>
-#include <sstream>
 #include <string>
 #include <vector>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/file_util.h"
+#include "common/status_util.h"
 #include "google/protobuf/descriptor.h"
 #include "google/protobuf/io/tokenizer.h"
 #include "google/protobuf/message.h"
@@ -165,13 +165,9 @@ absl::StatusOr<Policy> ParsePolicy(absl::string_view text) {
 }
 
 absl::StatusOr<Policy> ReadPolicyFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) {
-    return absl::NotFoundError(absl::StrCat("cannot read policy file ", path));
-  }
-  std::stringstream buffer;
-  buffer << in.rdbuf();
-  absl::StatusOr<Policy> policy = ParsePolicy(buffer.str());
+  absl::StatusOr<std::string> text = ReadFile(path);
+  if (!text.ok()) return AnnotateStatus(text.status(), "policy file");
+  absl::StatusOr<Policy> policy = ParsePolicy(*text);
   if (!policy.ok()) {
     return absl::Status(policy.status().code(),
                         absl::StrCat(path, ": ", policy.status().message()));

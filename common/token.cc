@@ -5,13 +5,13 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
-#include <sstream>
 
 #include "absl/status/status.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "common/file_util.h"
+#include "common/status_util.h"
 
 namespace hsdp {
 namespace {
@@ -34,14 +34,9 @@ bool ConstantTimeEquals(absl::string_view got, absl::string_view expected) {
 }
 
 absl::StatusOr<std::string> ReadTokenFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) {
-    return absl::NotFoundError(absl::StrCat("cannot read token file ", path,
-                                            ": ", std::strerror(errno)));
-  }
-  std::ostringstream contents;
-  contents << in.rdbuf();
-  std::string token(absl::StripAsciiWhitespace(contents.str()));
+  absl::StatusOr<std::string> contents = ReadFile(path);
+  if (!contents.ok()) return AnnotateStatus(contents.status(), "token file");
+  std::string token(absl::StripAsciiWhitespace(*contents));
   if (token.empty()) {
     return absl::InvalidArgumentError(
         absl::StrCat("token file ", path, " is empty"));

@@ -1,14 +1,13 @@
 // hsdp-coordinator: serves one job's control plane. Flags (with env fallbacks)
-// as in the team contract; --job-file reads the same settings from a file of
-// `name = value` lines (the flag names without dashes, e.g. `world-size = 4`);
-// command-line flags win over the file, the file over the environment.
+// as tests/deploy/contract.py lists them; --job-file reads the same settings
+// from a file of `name = value` lines (the flag names without dashes, e.g.
+// `world-size = 4`); command-line flags win over the file, the file over the
+// environment.
 #include <signal.h>
 
 #include <CLI/CLI.hpp>
 #include <cstdio>
-#include <fstream>
 #include <iostream>
-#include <sstream>
 #include <string>
 
 #include "absl/status/status.h"
@@ -17,15 +16,17 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/file_util.h"
 #include "common/mesh.h"
 #include "common/policy.h"
 #include "common/status_util.h"
 #include "common/token.h"
+#include "coordinator/schedule_log.h"
 #include "coordinator/server.h"
-#include "coordinator/state_store.h"
 
 namespace {
 
+using hsdp::ReadFile;
 using hsdp::coordinator::CoordinatorServer;
 using hsdp::coordinator::JobConfig;
 using hsdp::coordinator::ServerOptions;
@@ -59,14 +60,6 @@ struct Flags {
   std::string validate_policy;
   bool check_config = false;
 };
-
-absl::StatusOr<std::string> ReadFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot read ", path));
-  std::ostringstream contents;
-  contents << in.rdbuf();
-  return contents.str();
-}
 
 // --validate-policy: parse and check a policy file without a model (globs are
 // checked for matching units once workers join), print its effective values.
@@ -313,7 +306,7 @@ int main(int argc, char** argv) {
   }
   // Before the port file: whoever waits for that one finds this one too.
   if (!f.dashboard_url_file.empty() && !(*server)->dashboard_url().empty()) {
-    absl::Status written = hsdp::coordinator::WriteFileAtomically(
+    absl::Status written = hsdp::WriteFileAtomically(
         f.dashboard_url_file, absl::StrCat((*server)->dashboard_url(), "\n"),
         /*sync=*/false);
     if (!written.ok()) {
@@ -323,7 +316,7 @@ int main(int argc, char** argv) {
     }
   }
   if (!f.port_file.empty()) {
-    absl::Status written = hsdp::coordinator::WriteFileAtomically(
+    absl::Status written = hsdp::WriteFileAtomically(
         f.port_file, absl::StrCat((*server)->port(), "\n"), /*sync=*/false);
     if (!written.ok()) {
       std::cerr << "hsdp-coordinator: --port-file: " << written << "\n";

@@ -7,9 +7,7 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <iostream>
-#include <sstream>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
@@ -19,6 +17,7 @@
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/file_util.h"
 #include "common/status_util.h"
 #include "google/protobuf/io/coded_stream.h"
 #include "google/protobuf/io/zero_copy_stream_impl_lite.h"
@@ -34,7 +33,6 @@ constexpr char kCommitFile[] = "commit.binpb";
 constexpr char kGenerationMark[] = "-g";
 constexpr char kStepsDir[] = "steps";
 constexpr char kStepSuffix[] = ".binpb";
-constexpr char kTempSuffix[] = ".tmp";
 constexpr char kLockFile[] = "LOCK";
 // Where TruncateSealedSteps moves what it drops (never deletes).
 constexpr char kTruncatedDirPrefix[] = "truncated-";
@@ -132,14 +130,6 @@ absl::Status FsyncPath(const std::string& path, int flags) {
   return status;
 }
 
-absl::StatusOr<std::string> ReadWholeFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return ErrnoStatus("read", path);
-  std::stringstream buffer;
-  buffer << in.rdbuf();
-  return buffer.str();
-}
-
 // Serialization with a fixed field order, so equal messages give equal bytes.
 std::string SerializeDeterministic(const google::protobuf::Message& message) {
   std::string out;
@@ -181,7 +171,7 @@ bool ParseStepFileName(absl::string_view name, int64_t* step,
 absl::Status RemoveTempFiles(const fs::path& dir) {
   std::error_code ec;
   for (const auto& entry : fs::directory_iterator(dir, ec)) {
-    if (absl::EndsWith(entry.path().filename().string(), kTempSuffix)) {
+    if (absl::EndsWith(entry.path().filename().string(), kTempFileSuffix)) {
       std::cerr << "hsdp-coordinator: passing over " << entry.path().string()
                 << ": a write a crash interrupted (the file it was to replace "
                    "is intact)\n";
@@ -232,45 +222,6 @@ absl::StatusOr<int> LockDirectory(const std::string& dir) {
 
 }  // namespace
 
-absl::Status WriteFileAtomically(const std::string& path,
-                                 const std::string& contents, bool sync) {
-  const std::string temp = absl::StrCat(path, kTempSuffix);
-  const int fd =
-      ::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) return ErrnoStatus("open", temp);
-  size_t written = 0;
-  while (written < contents.size()) {
-    const ssize_t n =
-        ::write(fd, contents.data() + written, contents.size() - written);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      const absl::Status status = ErrnoStatus("write", temp);
-      ::close(fd);
-      ::unlink(temp.c_str());
-      return status;
-    }
-    written += static_cast<size_t>(n);
-  }
-  if (sync && ::fsync(fd) != 0) {
-    const absl::Status status = ErrnoStatus("fsync", temp);
-    ::close(fd);
-    ::unlink(temp.c_str());
-    return status;
-  }
-  if (::close(fd) != 0) return ErrnoStatus("close", temp);
-  if (::rename(temp.c_str(), path.c_str()) != 0) {
-    const absl::Status status = ErrnoStatus("rename", temp);
-    ::unlink(temp.c_str());
-    return status;
-  }
-  if (sync) {
-    // The rename is only durable once the directory entry is.
-    return FsyncPath(fs::path(path).parent_path().string(),
-                     O_RDONLY | O_DIRECTORY);
-  }
-  return absl::OkStatus();
-}
-
 StateStore::StateStore(std::string dir, Options options, int lock_fd)
     : dir_(std::move(dir)), options_(options), lock_fd_(lock_fd) {}
 
@@ -304,7 +255,7 @@ absl::Status StateStore::Load() {
   const fs::path state_path = root / kStateFile;
   std::error_code ec;
   if (fs::exists(state_path, ec)) {
-    absl::StatusOr<std::string> bytes = ReadWholeFile(state_path.string());
+    absl::StatusOr<std::string> bytes = ReadFile(state_path.string());
     if (!bytes.ok()) return bytes.status();
     if (!state_.ParseFromString(*bytes)) {
       return absl::DataLossError(
@@ -315,7 +266,7 @@ absl::Status StateStore::Load() {
     const std::string name = entry.path().filename().string();
     int64_t step = -1, generation = -1;
     if (!ParseStepFileName(name, &step, &generation)) continue;  // not ours
-    absl::StatusOr<std::string> contents = ReadWholeFile(entry.path().string());
+    absl::StatusOr<std::string> contents = ReadFile(entry.path().string());
     if (!contents.ok()) return contents.status();
     absl::StatusOr<std::string> bytes = UnframeStepFile(*contents);
     if (!bytes.ok()) {
@@ -336,7 +287,7 @@ absl::Status StateStore::Load() {
   }
   const fs::path commit_path = root / kCommitFile;
   if (fs::exists(commit_path, ec)) {
-    absl::StatusOr<std::string> bytes = ReadWholeFile(commit_path.string());
+    absl::StatusOr<std::string> bytes = ReadFile(commit_path.string());
     if (!bytes.ok()) return bytes.status();
     state::CommitPoint point;
     if (!point.ParseFromString(*bytes)) {

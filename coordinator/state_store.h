@@ -125,12 +125,6 @@ class StateStore {
   bool failing_ ABSL_GUARDED_BY(mu_) = false;
 };
 
-// Writes `contents` to `path` atomically (temp file + fsync + rename + fsync of
-// the directory when `sync`). Exposed for tests and for small files the service
-// writes.
-absl::Status WriteFileAtomically(const std::string& path,
-                                 const std::string& contents, bool sync);
-
 }  // namespace hsdp::coordinator
 
 #endif  // HSDP_COORDINATOR_STATE_STORE_H_

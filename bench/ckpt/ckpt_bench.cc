@@ -26,6 +26,7 @@
 #include "worker/comm/in_memory_store.h"
 #include "worker/fsdp/fully_shard.h"
 #include "worker/models/gpt.h"
+#include "worker/models/gpt_setup.h"
 #include "worker/train/checkpointing.h"
 #include "worker/train/worker_mesh.h"
 
@@ -82,22 +83,10 @@ struct ShardedGpt {
   ShardedGpt(const models::GptConfig& config, comm::DeviceMesh& mesh,
              uint64_t seed)
       : model(config, seed) {
-    auto e = fsdp::Engine::Create(
-        model.ptr(), fsdp::MeshComms{&mesh.shard(), &mesh.replicate()}, {});
+    auto e = models::ShardGpt(
+        model, fsdp::MeshComms{&mesh.shard(), &mesh.replicate()});
     if (!e.ok()) Die(e.status());
     engine = std::move(*e);
-    for (int i = 0; i < model->num_blocks(); ++i) {
-      auto index =
-          engine->FullyShard({model->block(i).ptr()}, models::UnitName(i + 1));
-      if (!index.ok()) Die(index.status());
-    }
-    if (absl::Status s = engine->FullyShardRoot(); !s.ok()) Die(s);
-    model->set_block_runner([this](int i, const at::Tensor& x) {
-      models::Block block = model->block(i);
-      return engine->Unit(i + 1).Forward(
-          x,
-          [block](const at::Tensor& y) mutable { return block->forward(y); });
-    });
     optimizer = std::make_unique<torch::optim::AdamW>(engine->Parameters());
   }
 

@@ -41,6 +41,7 @@
 #include "worker/fsdp/trace_recorder.h"
 #include "worker/fsdp/unit_group.h"
 #include "worker/models/gpt.h"
+#include "worker/models/gpt_setup.h"
 
 namespace hsdp::fsdp {
 namespace {
@@ -132,22 +133,10 @@ struct ShardedGpt {
 
   ShardedGpt(const models::GptConfig& config, comm::DeviceMesh& mesh)
       : model(config, kSeed) {
-    auto e = Engine::Create(model.ptr(),
-                            MeshComms{&mesh.shard(), &mesh.replicate()}, {});
+    auto e =
+        models::ShardGpt(model, MeshComms{&mesh.shard(), &mesh.replicate()});
     if (!e.ok()) Die(e.status());
     engine = std::move(*e);
-    for (int i = 0; i < model->num_blocks(); ++i) {
-      auto index =
-          engine->FullyShard({model->block(i).ptr()}, models::UnitName(i + 1));
-      if (!index.ok()) Die(index.status());
-    }
-    if (absl::Status s = engine->FullyShardRoot(); !s.ok()) Die(s);
-    model->set_block_runner([this](int i, const at::Tensor& x) {
-      models::Block block = model->block(i);
-      return engine->Unit(i + 1).Forward(
-          x,
-          [block](const at::Tensor& y) mutable { return block->forward(y); });
-    });
     optimizer = std::make_unique<torch::optim::AdamW>(engine->Parameters());
   }
 

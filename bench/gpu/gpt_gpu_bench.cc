@@ -40,6 +40,7 @@
 #include "worker/comm/in_memory_store.h"
 #include "worker/fsdp/fully_shard.h"
 #include "worker/models/gpt.h"
+#include "worker/models/gpt_setup.h"
 #ifdef HSDP_WITH_NCCL
 #include "worker/comm/nccl_communicator.h"
 #endif
@@ -216,24 +217,10 @@ absl::StatusOr<StepTimes> RunEngine(const Options& o,
     eo.mixed_precision.param_dtype = at::kBFloat16;
     eo.mixed_precision.reduce_dtype = at::kFloat;
   }
-  absl::StatusOr<std::unique_ptr<fsdp::Engine>> engine = fsdp::Engine::Create(
-      model.ptr(), fsdp::MeshComms{&(*mesh)->shard(), &(*mesh)->replicate()},
-      eo);
+  absl::StatusOr<std::unique_ptr<fsdp::Engine>> engine = models::ShardGpt(
+      model, fsdp::MeshComms{&(*mesh)->shard(), &(*mesh)->replicate()}, eo);
   if (!engine.ok()) return engine.status();
   fsdp::Engine& e = **engine;
-  for (int i = 0; i < model->num_blocks(); ++i) {
-    absl::StatusOr<int> unit =
-        e.FullyShard({model->blocks()[i].ptr()}, models::UnitName(i + 1));
-    if (!unit.ok()) return unit.status();
-  }
-  if (absl::Status s = e.FullyShardRoot(); !s.ok()) return s;
-  model->set_block_runner([&](int i, const at::Tensor& x) {
-    models::Block block =
-        model->blocks()[i];  // a non-const holder (shares the module)
-    return e.Unit(i + 1).Forward(x, [block](const at::Tensor& in) mutable {
-      return block->forward(in);
-    });
-  });
   torch::optim::AdamW opt(e.Parameters(), torch::optim::AdamWOptions(o.lr));
   const hsdp::v1::StepSchedule schedule = FsdpDefaultSchedule(e.num_units());
   absl::StatusOr<StepTimes> times =

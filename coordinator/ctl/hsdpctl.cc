@@ -24,6 +24,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/file_util.h"
 #include "common/policy.h"
 #include "common/status_util.h"
 #include "coordinator/grpc_status.h"
@@ -71,14 +72,6 @@ struct EvictOptions {
   std::optional<int> rank;
   std::optional<int64_t> worker_id;
 };
-
-absl::StatusOr<std::string> ReadFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot read ", path));
-  std::ostringstream contents;
-  contents << in.rdbuf();
-  return contents.str();
-}
 
 absl::StatusOr<bool> ParseBool(const std::string& flag,
                                const std::string& value) {

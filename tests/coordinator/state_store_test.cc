@@ -330,17 +330,6 @@ TEST(StateStoreTest, NoOpUpdateDoesNotWrite) {
   EXPECT_TRUE(fs::exists(state_file));
 }
 
-TEST(StateStoreTest, WriteFileAtomicallyReplaces) {
-  const fs::path path = fs::path(FreshDir("s")) / "f";
-  ASSERT_TRUE(WriteFileAtomically(path.string(), "one", true).ok());
-  ASSERT_TRUE(WriteFileAtomically(path.string(), "two", false).ok());
-  std::ifstream in(path);
-  std::string contents((std::istreambuf_iterator<char>(in)),
-                       std::istreambuf_iterator<char>());
-  EXPECT_EQ(contents, "two");
-  EXPECT_FALSE(fs::exists(path.string() + ".tmp"));
-}
-
 TEST(StateStoreTest, EmptyDirIsInvalid) {
   EXPECT_EQ(StateStore::Open("").status().code(),
             absl::StatusCode::kInvalidArgument);

@@ -5,7 +5,7 @@
       kubectl kustomize every kustomization into OUTDIR/<name>.yaml (base, cpu, gpu).
   check_manifests.py cross RENDERED.yaml... [--coordinator-bin P] [--worker-bin P]
       Cross-object checks (names, selectors, ports, volumes, env/flags, job consistency).
-      Env/flag names are checked against the team contract, and also against the binaries'
+      Env/flag names are checked against contract.CONTRACT, and also against the binaries'
       --help when their paths are given and exist.
   check_manifests.py selftest RENDERED.yaml
       Breaks a rendered overlay in one way at a time and asserts the cross checks notice each.
@@ -499,7 +499,7 @@ def allowed_names(args):
                          ("hsdp-worker", args.worker_bin)):
         entry = {"flags": set(contract.CONTRACT[binary]["flags"]),
                  "env": set(contract.CONTRACT[binary]["env"]) | contract.AMBIENT_ENV[binary],
-                 "source": "the team contract"}
+                 "source": "contract.CONTRACT"}
         if path and os.access(path, os.X_OK):
             helped = contract.from_help(path)
             entry = {"flags": helped["flags"],
@@ -512,7 +512,7 @@ def allowed_names(args):
                 notes.append(f"{binary}: note: --help lists no env for {sorted(missing)}")
         else:
             notes.append(f"SKIP {binary} --help sub-check: binary not built "
-                         f"({path or 'no path given'}); checked against the team contract only")
+                         f"({path or 'no path given'}); checked against contract.CONTRACT only")
         allowed[binary] = entry
     return allowed, notes
 

@@ -1,6 +1,6 @@
 """The flags and environment variables each binary reads.
 
-Two sources: the team contract (the table every binary and manifest shares, copied below) and, when
+Two sources: the names every binary and manifest shares (the CONTRACT table below) and, when
 the binaries are built, their own `--help` (CLI11 prints each option's env fallback as
 "(Env:NAME)"). The manifests may only set names from these sets.
 """
@@ -8,14 +8,14 @@ the binaries are built, their own `--help` (CLI11 prints each option's env fallb
 import re
 import subprocess
 
-# From the team contract's "Names every binary and manifest shares" table.
+# The names every binary and manifest shares: a binary may read more, a manifest may set no other.
 CONTRACT = {
     "hsdp-coordinator": {
         "flags": {
             "job-id", "world-size", "mesh", "policy-file", "job-file", "listen", "port-file",
             "state-dir", "metrics-listen", "heartbeat-timeout", "read-ahead", "tls-cert",
             "tls-key", "control-token-file", "shutdown-deadline", "validate-policy", "help",
-            # Added with the worker API's authentication (issue 15).
+            # The worker API's authentication and the configuration check.
             "job-token-file", "tls-client-ca", "check-config",
         },
         "env": {

@@ -14,6 +14,7 @@
 #include <map>
 #include <sstream>
 #include <thread>
+#include <utility>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
@@ -421,6 +422,34 @@ std::string Cluster::address() const {
 
 std::string Cluster::report(int r) const {
   return absl::StrCat(dir_, "/worker-", r, ".jsonl");
+}
+
+BaselineRun::BaselineRun(std::string name, int workers, std::string mesh,
+                         std::vector<std::string> worker_flags, int steps)
+    : name_(std::move(name)),
+      workers_(workers),
+      mesh_(std::move(mesh)),
+      worker_flags_(std::move(worker_flags)),
+      steps_(steps) {}
+
+const std::vector<std::vector<StepRecord>>& BaselineRun::Reports() {
+  if (!reports_.has_value()) {
+    reports_.emplace();
+    Cluster c(name_);
+    c.StartCoordinator(workers_, mesh_);
+    c.StartWorkers(workers_, worker_flags_, steps_);
+    c.WaitWorkers();
+    for (int r = 0; r < workers_; ++r) {
+      reports_->push_back(ReadReport(c.report(r)));
+    }
+  }
+  return *reports_;
+}
+
+void BaselineRun::ExpectSameAs(const Cluster& c) {
+  std::vector<std::string> reports;
+  for (int r = 0; r < workers_; ++r) reports.push_back(c.report(r));
+  ExpectSameLosses(reports, Reports(), steps_);
 }
 
 }  // namespace hsdp::e2e

@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -170,6 +171,29 @@ class Cluster {
   Proc coordinator_;
   int port_ = 0;
   std::vector<Proc> workers_;
+};
+
+// The job a test binary compares its other runs with: `workers` workers on
+// `mesh`, started with `worker_flags` for `steps` steps, run once, on first
+// use, under a Cluster named `name`.
+class BaselineRun {
+ public:
+  BaselineRun(std::string name, int workers, std::string mesh,
+              std::vector<std::string> worker_flags, int steps);
+
+  // Rank r's steps are Reports()[r]. The first call runs the job.
+  const std::vector<std::vector<StepRecord>>& Reports();
+  // Every rank of `c` reported steps 0..steps-1 exactly once, with losses
+  // bitwise equal to the baseline's.
+  void ExpectSameAs(const Cluster& c);
+
+ private:
+  const std::string name_;
+  const int workers_;
+  const std::string mesh_;
+  const std::vector<std::string> worker_flags_;
+  const int steps_;
+  std::optional<std::vector<std::vector<StepRecord>>> reports_;
 };
 
 }  // namespace hsdp::e2e

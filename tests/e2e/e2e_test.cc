@@ -43,27 +43,11 @@ namespace fs = std::filesystem;
 constexpr int kWorkers = 4;
 constexpr char kMesh[] = "2x2";
 
-// The baseline 2x2 run every other run is compared with; run once per test
-// binary.
-const std::vector<std::vector<StepRecord>>& Baseline() {
-  static auto* reports = [] {
-    auto* out = new std::vector<std::vector<StepRecord>>;
-    Cluster c("baseline");
-    c.StartCoordinator(kWorkers, kMesh);
-    c.StartWorkers(kWorkers);
-    c.WaitWorkers();
-    for (int r = 0; r < kWorkers; ++r) out->push_back(ReadReport(c.report(r)));
-    return out;
-  }();
-  return *reports;
-}
-
-// Every rank reported steps 0..kSteps-1 exactly once with losses bitwise equal
-// to the baseline.
-void ExpectSameAsBaseline(const Cluster& c) {
-  std::vector<std::string> reports;
-  for (int r = 0; r < kWorkers; ++r) reports.push_back(c.report(r));
-  ExpectSameLosses(reports, Baseline(), kSteps);
+// The baseline 2x2 run every other run is compared with.
+BaselineRun& Baseline() {
+  static auto* baseline =
+      new BaselineRun("baseline", kWorkers, kMesh, {}, kSteps);
+  return *baseline;
 }
 
 TEST(E2eTest, ShardedTwoByTwoMatchesSingleProcessReference) {
@@ -104,7 +88,7 @@ TEST(E2eTest, ShardedTwoByTwoMatchesSingleProcessReference) {
 }
 
 TEST(E2eTest, PolicyChangeMidRunKeepsLossesBitwiseAndRaisesPeak) {
-  Baseline();
+  Baseline().Reports();
   Cluster c("policy");
   c.StartCoordinator(kWorkers, kMesh);
   c.StartWorkers(kWorkers);
@@ -113,7 +97,7 @@ TEST(E2eTest, PolicyChangeMidRunKeepsLossesBitwiseAndRaisesPeak) {
   ASSERT_EQ(c.Ctl({"policy", "set", "--reshard-after-forward=false"}, &out), 0)
       << out;
   c.WaitWorkers();
-  ExpectSameAsBaseline(c);
+  Baseline().ExpectSameAs(c);
 
   // The change landed on one step for every rank, mid-run, and raised the peak
   // after it.
@@ -143,7 +127,7 @@ TEST(E2eTest, PolicyChangeMidRunKeepsLossesBitwiseAndRaisesPeak) {
 // re-resolves the name before reconnecting, and after a first outage an idle
 // channel reconnects only when a call waits for it.
 TEST(E2eTest, CoordinatorKilledAndRestartedLosesNoStep) {
-  Baseline();
+  Baseline().Reports();
   Cluster c("restart");
   const std::vector<std::string> flags = {"--heartbeat-timeout", "6"};
   c.StartCoordinator(kWorkers, kMesh, 0, "", flags);
@@ -158,11 +142,11 @@ TEST(E2eTest, CoordinatorKilledAndRestartedLosesNoStep) {
     c.StartCoordinator(kWorkers, kMesh, port, "", flags);
   }
   c.WaitWorkers();
-  ExpectSameAsBaseline(c);
+  Baseline().ExpectSameAs(c);
 }
 
 TEST(E2eTest, CheckpointKillAllWorkersRestartContinuesIdentically) {
-  Baseline();
+  Baseline().Reports();
   Cluster c("checkpoint");
   const std::string policy = c.dir() + "/policy.json";
   std::ofstream(policy) << "{\"checkpointInterval\": 5}\n";
@@ -182,7 +166,7 @@ TEST(E2eTest, CheckpointKillAllWorkersRestartContinuesIdentically) {
   c.StartWorkers(kWorkers, {"--checkpoint-dir", ckpt});
   c.WaitWorkers();
 
-  const auto& base = Baseline();
+  const auto& base = Baseline().Reports();
   for (int r = 0; r < kWorkers; ++r) {
     std::vector<StepRecord> got = ReadReport(c.report(r));
     // Steps after the checkpoint ran twice (before the kill and after the

@@ -89,23 +89,10 @@ std::vector<std::string> ScriptedFlags(std::vector<std::string> more = {}) {
   if (!HavePython()) GTEST_SKIP() << "no python3 with torch"
 
 // The default 2x2 run every other run is compared with.
-const std::vector<std::vector<StepRecord>>& Baseline() {
-  static auto* reports = [] {
-    auto* out = new std::vector<std::vector<StepRecord>>;
-    Cluster c("ts-baseline");
-    c.StartCoordinator(kWorkers, kMesh);
-    c.StartWorkers(kWorkers, ScriptedFlags(), kTsSteps);
-    c.WaitWorkers();
-    for (int r = 0; r < kWorkers; ++r) out->push_back(ReadReport(c.report(r)));
-    return out;
-  }();
-  return *reports;
-}
-
-void ExpectSameAsBaseline(const Cluster& c) {
-  std::vector<std::string> reports;
-  for (int r = 0; r < kWorkers; ++r) reports.push_back(c.report(r));
-  ExpectSameLosses(reports, Baseline(), kTsSteps);
+BaselineRun& Baseline() {
+  static auto* baseline = new BaselineRun("ts-baseline", kWorkers, kMesh,
+                                          ScriptedFlags(), kTsSteps);
+  return *baseline;
 }
 
 TEST(TorchScriptE2eTest, TwoByTwoMatchesSingleProcessAndExportsToPython) {
@@ -169,26 +156,26 @@ TEST(TorchScriptE2eTest, TwoByTwoMatchesSingleProcessAndExportsToPython) {
 
 TEST(TorchScriptE2eTest, ReshardAfterForwardOffGivesBitwiseEqualLosses) {
   REQUIRE_PYTHON();
-  Baseline();
+  Baseline().Reports();
   Cluster c("ts-reshard-off");
   const std::string policy = c.dir() + "/policy.json";
   std::ofstream(policy) << "{\"reshardAfterForward\": false}\n";
   c.StartCoordinator(kWorkers, kMesh, 0, policy);
   c.StartWorkers(kWorkers, ScriptedFlags(), kTsSteps);
   c.WaitWorkers();
-  ExpectSameAsBaseline(c);
+  Baseline().ExpectSameAs(c);
   for (const StepRecord& s : ReadReport(c.report(0))) {
     EXPECT_EQ(s.reshard_after_forward.find('1'), std::string::npos)
         << "step " << s.step << " resharded: " << s.reshard_after_forward;
   }
   // The baseline resharded its blocks after forward.
-  EXPECT_NE(Baseline()[0][0].reshard_after_forward.find('1'),
+  EXPECT_NE(Baseline().Reports()[0][0].reshard_after_forward.find('1'),
             std::string::npos);
 }
 
 TEST(TorchScriptE2eTest, PolicyChangeMidRunKeepsLossesBitwise) {
   REQUIRE_PYTHON();
-  Baseline();
+  Baseline().Reports();
   Cluster c("ts-policy");
   c.StartCoordinator(kWorkers, kMesh);
   c.StartWorkers(kWorkers, ScriptedFlags(), kTsSteps);
@@ -197,7 +184,7 @@ TEST(TorchScriptE2eTest, PolicyChangeMidRunKeepsLossesBitwise) {
   ASSERT_EQ(c.Ctl({"policy", "set", "--reshard-after-forward=false"}, &out), 0)
       << out;
   c.WaitWorkers();
-  ExpectSameAsBaseline(c);
+  Baseline().ExpectSameAs(c);
   std::vector<StepRecord> r0 = ReadReport(c.report(0));
   int changed = -1;
   for (int s = 0; s < kTsSteps && changed < 0; ++s) {
@@ -214,7 +201,7 @@ TEST(TorchScriptE2eTest, PolicyChangeMidRunKeepsLossesBitwise) {
 
 TEST(TorchScriptE2eTest, CheckpointKillRestartContinuesBitForBit) {
   REQUIRE_PYTHON();
-  Baseline();
+  Baseline().Reports();
   Cluster c("ts-checkpoint");
   const std::string policy = c.dir() + "/policy.json";
   std::ofstream(policy) << "{\"checkpointInterval\": 5}\n";
@@ -232,7 +219,7 @@ TEST(TorchScriptE2eTest, CheckpointKillRestartContinuesBitForBit) {
   c.StartWorkers(kWorkers, ScriptedFlags({"--checkpoint-dir", ckpt}), kTsSteps);
   c.WaitWorkers();
 
-  const auto& base = Baseline();
+  const auto& base = Baseline().Reports();
   for (int r = 0; r < kWorkers; ++r) {
     std::vector<StepRecord> got = ReadReport(c.report(r));
     ASSERT_GT(got.size(), static_cast<size_t>(kTsSteps));

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check for the hsdp GPU path (issue 6). Run on a machine with an NVIDIA GPU and a CUDA build of
+# GPU check for the hsdp CUDA/NCCL path. Run on a machine with an NVIDIA GPU and a CUDA build of
 # PyTorch in `python3`; budget: about 8 minutes of GPU time (build included, on 16 cores).
 #
 #   1. configures against the LibTorch inside that PyTorch (torch.utils.cmake_prefix_path) with

@@ -8,14 +8,13 @@
 
 #include <algorithm>
 #include <chrono>
-#include <fstream>
-#include <sstream>
 #include <utility>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "common/file_util.h"
 #include "common/status_util.h"
 #include "common/token.h"
 #include "worker/agent/agent_internal.h"
@@ -79,13 +78,9 @@ class BearerInterceptorFactory final
 
 absl::StatusOr<std::string> ReadPemFile(const std::string& path,
                                         absl::string_view what) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) {
-    return absl::NotFoundError(absl::StrCat("cannot read ", what, " ", path));
-  }
-  std::ostringstream contents;
-  contents << in.rdbuf();
-  return contents.str();
+  absl::StatusOr<std::string> contents = ReadFile(path);
+  if (!contents.ok()) return AnnotateStatus(contents.status(), what);
+  return contents;
 }
 
 absl::Status CheckTlsOptions(const AgentOptions& o) {

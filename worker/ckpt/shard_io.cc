@@ -9,13 +9,12 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
-#include <sstream>
 #include <thread>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/file_util.h"
 #include "worker/ckpt/crc32c.h"
 
 namespace hsdp::ckpt {
@@ -24,77 +23,19 @@ namespace {
 namespace fs = std::filesystem;
 
 constexpr absl::Duration kPublishPoll = absl::Milliseconds(20);
-constexpr char kTmpSuffix[] = ".tmp";
 
-absl::Status Errno(const std::string& what, const std::string& path) {
-  return absl::InternalError(
-      absl::StrCat(what, " ", path, ": ", std::strerror(errno)));
+// Checkpoint file errors keep codes of their own whatever the errno (a failed
+// read NOT_FOUND, a failed write INTERNAL): the runner reads ABORTED,
+// UNAVAILABLE and DEADLINE_EXCEEDED, which ESTALE, EINTR or ETIMEDOUT would
+// map to, as a peer that went away rather than a broken checkpoint.
+absl::Status WriteError(const absl::Status& s) {
+  return s.ok() ? s : absl::InternalError(s.message());
 }
-
-absl::Status WriteAll(int fd, const char* data, int64_t size,
-                      const std::string& path) {
-  while (size > 0) {
-    const ssize_t n = ::write(fd, data, static_cast<size_t>(size));
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return Errno("write", path);
-    data += n;
-    size -= n;
-  }
-  return absl::OkStatus();
-}
-
-absl::Status SyncDir(const std::string& dir) {
-  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
-  if (fd < 0) return Errno("open", dir);
-  const int rc = ::fsync(fd);
-  ::close(fd);
-  return rc == 0 ? absl::OkStatus() : Errno("fsync", dir);
-}
-
-// Opens path + ".tmp" for writing; on success `finish` syncs, closes and
-// renames it to `path`.
-class AtomicFile {
- public:
-  explicit AtomicFile(std::string path)
-      : path_(std::move(path)), tmp_(path_ + kTmpSuffix) {}
-  ~AtomicFile() {
-    if (fd_ >= 0) {
-      ::close(fd_);
-      ::unlink(tmp_.c_str());
-    }
-  }
-  AtomicFile(const AtomicFile&) = delete;
-  AtomicFile& operator=(const AtomicFile&) = delete;
-
-  absl::Status Open() {
-    fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    return fd_ >= 0 ? absl::OkStatus() : Errno("create", tmp_);
-  }
-  absl::Status Write(const char* data, int64_t size) {
-    return WriteAll(fd_, data, size, tmp_);
-  }
-  absl::Status Finish() {
-    if (::fsync(fd_) != 0) return Errno("fsync", tmp_);
-    const int fd = fd_;
-    fd_ = -1;
-    if (::close(fd) != 0) return Errno("close", tmp_);
-    if (::rename(tmp_.c_str(), path_.c_str()) != 0)
-      return Errno("rename", tmp_);
-    return SyncDir(fs::path(path_).parent_path().string());
-  }
-
- private:
-  std::string path_;
-  std::string tmp_;
-  int fd_ = -1;
-};
 
 absl::StatusOr<std::string> ReadSmallFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot read ", path));
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
+  absl::StatusOr<std::string> text = ReadFile(path);
+  if (!text.ok()) return absl::NotFoundError(text.status().message());
+  return text;
 }
 
 std::string Rows(int64_t begin, int64_t end) {
@@ -141,16 +82,6 @@ absl::StatusOr<c10::ScalarType> ScalarTypeOf(const std::string& dtype) {
   return it->second;
 }
 
-absl::Status WriteFileAtomically(const std::string& path,
-                                 const std::string& contents) {
-  AtomicFile f(path);
-  absl::Status s = f.Open();
-  if (s.ok())
-    s = f.Write(contents.data(), static_cast<int64_t>(contents.size()));
-  if (s.ok()) s = f.Finish();
-  return s;
-}
-
 absl::StatusOr<ShardIndex> WriteShardFile(
     const std::string& step_dir, const std::string& file_name,
     const std::vector<LocalTensor>& tensors,
@@ -158,8 +89,8 @@ absl::StatusOr<ShardIndex> WriteShardFile(
   ShardIndex index;
   index.file.name = file_name;
   index.optimizer_steps = optimizer_steps;
-  AtomicFile data(absl::StrCat(step_dir, "/", file_name));
-  absl::Status s = data.Open();
+  AtomicFileWriter data(absl::StrCat(step_dir, "/", file_name));
+  absl::Status s = WriteError(data.Open());
   if (!s.ok()) return s;
   int64_t offset = 0;
   for (const LocalTensor& t : tensors) {
@@ -195,18 +126,19 @@ absl::StatusOr<ShardIndex> WriteShardFile(
       const int64_t n = std::min(c.block_rows, rows - r) * row_bytes;
       c.crc32c.push_back(Crc32c(bytes + r * row_bytes, static_cast<size_t>(n)));
     }
-    s = data.Write(bytes, c.bytes);
+    s = WriteError(
+        data.Append(absl::string_view(bytes, static_cast<size_t>(c.bytes))));
     if (!s.ok()) return s;
     offset += c.bytes;
     e.chunks.push_back(std::move(c));
     index.tensors.push_back(std::move(e));
   }
   index.file.bytes = offset;
-  s = data.Finish();
+  s = WriteError(data.Commit());
   if (s.ok()) {
-    s = WriteFileAtomically(
+    s = WriteError(WriteFileAtomically(
         absl::StrCat(step_dir, "/", ShardIndexName(file_name)),
-        ShardIndexToJson(index));
+        ShardIndexToJson(index)));
   }
   if (!s.ok()) return s;
   return index;
@@ -268,7 +200,7 @@ absl::Status PublishMetadata(const std::string& step_dir, Metadata base,
   const std::string path = absl::StrCat(step_dir, "/", kMetadataFile);
   absl::Status s = ValidateMetadata(base, path);
   if (!s.ok()) return s;
-  return WriteFileAtomically(path, MetadataToJson(base));
+  return WriteError(WriteFileAtomically(path, MetadataToJson(base)));
 }
 
 absl::StatusOr<Metadata> ReadMetadata(const std::string& step_dir) {

@@ -35,11 +35,6 @@ struct LocalTensor {
 std::string DtypeName(c10::ScalarType type);
 absl::StatusOr<c10::ScalarType> ScalarTypeOf(const std::string& dtype);
 
-// Writes `contents` to `path` through a temporary file, fsync and rename, then
-// fsyncs the directory: `path` either does not exist or is complete.
-absl::Status WriteFileAtomically(const std::string& path,
-                                 const std::string& contents);
-
 // Writes `tensors` (contiguous CPU tensors) as `file_name` in `step_dir`, then
 // its index (ShardIndexName), both atomically: the index appears only after
 // the data file is durable. Returns the index.

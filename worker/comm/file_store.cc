@@ -9,12 +9,11 @@
 #include <cctype>
 #include <cerrno>
 #include <cstring>
-#include <fstream>
-#include <sstream>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "common/file_util.h"
 
 namespace hsdp::comm {
 namespace {
@@ -103,11 +102,11 @@ absl::StatusOr<std::string> FileStore::Get(const std::string& key,
                                            absl::Duration timeout) {
   absl::Status waited = Wait({key}, timeout);
   if (!waited.ok()) return waited;
-  std::ifstream in(PathOf(key), std::ios::binary);
-  if (!in) return ErrnoError("cannot read", PathOf(key));
-  std::ostringstream value;
-  value << in.rdbuf();
-  return value.str();
+  absl::StatusOr<std::string> value = ReadFile(PathOf(key));
+  // Store failures stay INTERNAL whatever the errno: callers read UNAVAILABLE
+  // and DEADLINE_EXCEEDED as a peer that went away, not a broken directory.
+  if (!value.ok()) return absl::InternalError(value.status().message());
+  return value;
 }
 
 absl::Status FileStore::Wait(const std::vector<std::string>& keys,

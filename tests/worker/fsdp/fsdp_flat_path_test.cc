@@ -20,6 +20,7 @@
 #include "worker/comm/device_mesh.h"
 #include "worker/fsdp/fully_shard.h"
 #include "worker/models/gpt.h"
+#include "worker/models/gpt_setup.h"
 
 namespace hsdp::fsdp::testing {
 namespace {
@@ -102,23 +103,10 @@ GptRun TrainGpt(const models::GptConfig& model_config, MeshComms comms,
   GptRun result;
   models::Gpt gpt(model_config, kSeed);
   absl::StatusOr<std::unique_ptr<Engine>> created =
-      Engine::Create(gpt.ptr(), comms, EngineOptionsFor(config));
+      models::ShardGpt(gpt, comms, EngineOptionsFor(config));
   EXPECT_TRUE(created.ok()) << created.status();
   if (!created.ok()) return result;
   std::unique_ptr<Engine> engine = std::move(*created);
-  for (int i = 0; i < gpt->num_blocks(); ++i) {
-    absl::StatusOr<int> index =
-        engine->FullyShard({gpt->block(i).ptr()}, models::UnitName(i + 1));
-    EXPECT_TRUE(index.ok()) << index.status();
-  }
-  absl::Status s = engine->FullyShardRoot();
-  EXPECT_TRUE(s.ok()) << s;
-  gpt->set_block_runner([&](int i, const at::Tensor& x) {
-    models::Block block = gpt->block(i);
-    return engine->Unit(i + 1).Forward(x, [block](const at::Tensor& y) {
-      return models::Block(block)->forward(y);
-    });
-  });
   torch::optim::AdamW optimizer(engine->Parameters(),
                                 torch::optim::AdamWOptions(config.lr));
   const hsdp::v1::StepSchedule schedule = PlanSchedule(*engine, config);
@@ -127,7 +115,7 @@ GptRun TrainGpt(const models::GptConfig& model_config, MeshComms comms,
   for (int step = 0; step < config.steps; ++step) {
     double step_loss = 0;
     for (int mb = 0; mb < config.microbatches; ++mb) {
-      s = engine->Apply(schedule, mb);
+      absl::Status s = engine->Apply(schedule, mb);
       EXPECT_TRUE(s.ok()) << s;
       // Not a structured binding: the loss lambda captures `targets`.
       const auto batch =

@@ -25,7 +25,7 @@ extern char** environ;
 namespace hsdp::fsdp::testing {
 namespace {
 
-constexpr double kParityTolerance = 1e-5;  // fp32, as the issue asks
+constexpr double kParityTolerance = 1e-5;  // fp32 sums in another order
 constexpr uint64_t kSeed = 7;
 // Generous for 4 processes loading LibTorch on a loaded 2-core machine; a
 // healthy run takes a few seconds.
