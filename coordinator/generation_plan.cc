@@ -5,6 +5,7 @@
 #include <set>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 
 namespace hsdp::coordinator {
 namespace {
@@ -196,6 +197,29 @@ GenerationPlan PlanGeneration(const FormationInput& input) {
   }
   Finish(input, placed, healed, plan);
   return plan;
+}
+
+std::vector<std::string> ShardGroupsAcrossHosts(
+    int shard, const std::vector<std::string>& hosts_by_rank) {
+  std::vector<std::string> warnings;
+  if (shard < 1) return warnings;
+  const int world = static_cast<int>(hosts_by_rank.size());
+  for (int group = 0; group * shard < world; ++group) {
+    std::vector<std::string> hosts;
+    for (int rank = group * shard; rank < std::min(world, (group + 1) * shard);
+         ++rank) {
+      const std::string& host = hosts_by_rank[rank];
+      if (host.empty()) continue;
+      if (std::find(hosts.begin(), hosts.end(), host) == hosts.end()) {
+        hosts.push_back(host);
+      }
+    }
+    if (hosts.size() < 2) continue;
+    warnings.push_back(absl::StrCat("shard group ", group, " spans hosts ",
+                                    absl::StrJoin(hosts, ", "),
+                                    " (its all-gathers cross the host link)"));
+  }
+  return warnings;
 }
 
 }  // namespace hsdp::coordinator

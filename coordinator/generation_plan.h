@@ -86,6 +86,16 @@ struct GenerationPlan {
 
 GenerationPlan PlanGeneration(const FormationInput& input);
 
+// One line per shard group (ranks [k*S, (k+1)*S), S = `shard`) whose workers
+// run on more than one host, e.g. "shard group 1 spans hosts a, b (its
+// all-gathers cross the host link)", hosts in rank order. Such a generation
+// trains, but HSDP keeps each shard group inside one host because its
+// all-gathers and reduce-scatters run every unit, every step; only the
+// replicate groups are meant to cross hosts. `hosts_by_rank` holds one
+// hostname per rank; an empty one (unknown, or a free rank) is left out.
+std::vector<std::string> ShardGroupsAcrossHosts(
+    int shard, const std::vector<std::string>& hosts_by_rank);
+
 }  // namespace hsdp::coordinator
 
 #endif  // HSDP_COORDINATOR_GENERATION_PLAN_H_

@@ -257,6 +257,7 @@ void Membership::FormLocked() {
     last_failure_->set_formed_unix_ms(absl::ToUnixMillis(now));
   }
   if (listener_ != nullptr) listener_->OnGenerationFormed(current_.info);
+  ReportTopologyLocked();
   (void)PersistLocked();
   changed_.SignalAll();
 }
