@@ -3,6 +3,7 @@
 
 #include <gtest/gtest.h>
 
+#include <string>
 #include <vector>
 
 namespace hsdp::coordinator {
@@ -141,6 +142,17 @@ TEST(GenerationPlanTest, NeverMoreGroupsThanTheMesh) {
   EXPECT_EQ(plan.replicas, 3);
   EXPECT_EQ(plan.members, (std::vector<int64_t>{1, 10, 11}));
   EXPECT_EQ(plan.standby.size(), 8u);
+}
+
+TEST(GenerationPlanTest, ShardGroupsAcrossHostsNamesEachGroupAndItsHosts) {
+  EXPECT_TRUE(ShardGroupsAcrossHosts(2, {"a", "a", "b", "b"}).empty());
+  // Unknown hosts (empty) are left out; hosts are listed in rank order.
+  EXPECT_TRUE(ShardGroupsAcrossHosts(2, {"a", "", "", ""}).empty());
+  EXPECT_EQ(ShardGroupsAcrossHosts(3, {"a", "a", "a", "c", "b", "c"}),
+            (std::vector<std::string>{"shard group 1 spans hosts c, b (its "
+                                      "all-gathers cross the host link)"}));
+  // One shard group per rank never spans hosts.
+  EXPECT_TRUE(ShardGroupsAcrossHosts(1, {"a", "b"}).empty());
 }
 
 }  // namespace
