@@ -41,10 +41,7 @@ struct Clients {
   hsdp::v1::JoinResponse Join(int rank, int64_t worker_id = 0) {
     hsdp::v1::JoinRequest request = MakeJoin(kJob, kLayers, rank);
     request.set_worker_id(worker_id);
-    hsdp::v1::JoinResponse response;
-    grpc::Status s = worker->Join(Ctx().get(), request, &response);
-    EXPECT_TRUE(s.ok()) << s.error_message();
-    return response;
+    return JoinOrFail(*worker, request);
   }
   // Legacy read by rank (clients without worker ids).
   std::string Fetch(int rank, int64_t step) {
@@ -130,11 +127,7 @@ struct Clients {
     return reform;
   }
   hsdp::v1::GetStatusResponse Status() {
-    hsdp::v1::GetStatusResponse response;
-    grpc::Status s = control->GetStatus(
-        Ctx(std::chrono::seconds(10), kToken).get(), {}, &response);
-    EXPECT_TRUE(s.ok()) << s.error_message();
-    return response;
+    return GetStatusOrFail(*control, kToken, std::chrono::seconds(10));
   }
   hsdp::v1::GetPolicyResponse Policy() {
     hsdp::v1::GetPolicyResponse response;

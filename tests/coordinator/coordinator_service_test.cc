@@ -39,7 +39,9 @@ namespace {
 
 using ::hsdp::testing::Connect;
 using ::hsdp::testing::Ctx;
+using ::hsdp::testing::GetStatusOrFail;
 using ::hsdp::testing::HttpGet;
+using ::hsdp::testing::JoinOrFail;
 using ::hsdp::testing::MakeJoin;
 using ::hsdp::v1::ControlService;
 using ::hsdp::v1::CoordinatorService;
@@ -85,18 +87,7 @@ class ServiceTest : public ::testing::Test {
   hsdp::v1::JoinResponse JoinFrom(int hint, const std::string& host) {
     hsdp::v1::JoinRequest request = MakeJoin(kJob, kLayers, hint);
     request.set_hostname(host);
-    hsdp::v1::JoinResponse response;
-    grpc::Status s = worker_->Join(Ctx().get(), request, &response);
-    EXPECT_TRUE(s.ok()) << s.error_message();
-    return response;
-  }
-
-  hsdp::v1::GetStatusResponse Status() {
-    hsdp::v1::GetStatusResponse response;
-    grpc::Status s = control_->GetStatus(
-        Ctx(std::chrono::seconds(30), kToken).get(), {}, &response);
-    EXPECT_TRUE(s.ok()) << s.error_message();
-    return response;
+    return JoinOrFail(*worker_, request);
   }
 
   grpc::Status Report(int rank, int64_t step, bool finished = false) {
@@ -355,7 +346,7 @@ TEST_F(ServiceTest, HintlessJoinersFromTwoHostsGetOneHostShardGroups) {
     ranks.push_back(JoinFrom(-1, host).rank());
   }
   EXPECT_EQ(ranks, (std::vector<int>{0, 2, 1, 3}));
-  const hsdp::v1::GetStatusResponse status = Status();
+  const hsdp::v1::GetStatusResponse status = GetStatusOrFail(*control_, kToken);
   EXPECT_EQ(status.state(), hsdp::v1::JOB_STATE_RUNNING);
   EXPECT_TRUE(status.topology_warnings().empty());
 }
@@ -367,7 +358,7 @@ TEST_F(ServiceTest, StatusNamesAShardGroupThatSpansHosts) {
   for (int r = 0; r < 4; ++r) {
     EXPECT_EQ(JoinFrom(r, r == 1 ? "b" : "a").rank(), r);
   }
-  const hsdp::v1::GetStatusResponse status = Status();
+  const hsdp::v1::GetStatusResponse status = GetStatusOrFail(*control_, kToken);
   EXPECT_EQ(status.state(), hsdp::v1::JOB_STATE_RUNNING);
   EXPECT_EQ(std::vector<std::string>(status.topology_warnings().begin(),
                                      status.topology_warnings().end()),
