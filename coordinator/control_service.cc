@@ -68,6 +68,9 @@ void FillStatus(const CoordinatorCore& core,
   response->set_unit_count(static_cast<int32_t>(m.units().size()));
   if (auto training = m.training()) *response->mutable_training() = *training;
   response->set_dashboard_url(core.dashboard_url);
+  for (const std::string& warning : elastic.topology_warnings) {
+    response->add_topology_warnings(warning);
+  }
 }
 
 void FillWorkers(const CoordinatorCore& core,

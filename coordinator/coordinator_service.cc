@@ -96,6 +96,14 @@ void CoreEvents::OnGenerationFormed(const hsdp::v1::Generation& generation) {
             << "\n";
 }
 
+void CoreEvents::OnShardGroupsAcrossHosts(
+    int64_t generation, const std::vector<std::string>& warnings) {
+  for (const std::string& warning : warnings) {
+    std::cerr << "hsdp-coordinator: generation " << generation << ": "
+              << warning << "\n";
+  }
+}
+
 void CoreEvents::OnStepCommitted(int64_t /*generation*/, int64_t step) {
   core_.schedule_log->RecordCommitted(step);
   core_.metrics->SetCommittedStep(step);

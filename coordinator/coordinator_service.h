@@ -135,8 +135,9 @@ void RefreshMembershipMetrics(const CoordinatorCore& core);
 // closes its rendezvous (waiting store calls fail ABORTED); a new one starts
 // the schedule log's generation (re-sealing uncommitted steps for its world)
 // and drops the old rendezvous keys; commits move the read-ahead window;
-// metrics count failures and the time they cost. Runs under Membership's
-// lock (see MembershipListener); thread-safe like the components it calls.
+// metrics count failures and the time they cost; a shard group that spans
+// hosts is logged. Runs under Membership's lock (see MembershipListener);
+// thread-safe like the components it calls.
 class CoreEvents final : public MembershipListener {
  public:
   explicit CoreEvents(CoordinatorCore core) : core_(core) {}
@@ -146,6 +147,8 @@ class CoreEvents final : public MembershipListener {
   void OnGenerationEnded(int64_t generation,
                          hsdp::v1::FailureCause cause) override;
   void OnGenerationFormed(const hsdp::v1::Generation& generation) override;
+  void OnShardGroupsAcrossHosts(
+      int64_t generation, const std::vector<std::string>& warnings) override;
   int64_t LastCheckpointStep() override;
   void OnStepCommitted(int64_t generation, int64_t step) override;
   void OnRecovered(const hsdp::v1::FailureRecord& failure) override;

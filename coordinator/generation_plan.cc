@@ -3,8 +3,10 @@
 #include <algorithm>
 #include <map>
 #include <set>
+#include <string>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 
 namespace hsdp::coordinator {
 namespace {
@@ -46,11 +48,31 @@ void Finish(const FormationInput& input, const std::vector<int>& placed,
   }
 }
 
+// The hosts of the ranks of the group being filled (the last, incomplete
+// group of `placed`, candidate indices by rank).
+std::vector<std::string> GroupHosts(const FormationInput& input,
+                                    const std::vector<int>& placed) {
+  std::vector<std::string> hosts;
+  const size_t start = placed.size() - placed.size() % input.shard;
+  for (size_t rank = start; rank < placed.size(); ++rank) {
+    const std::string& host = input.candidates[placed[rank]].hostname;
+    if (!host.empty()) hosts.push_back(host);
+  }
+  return hosts;
+}
+
 // The next of `pool` (candidate indices, in preference order) not taken yet
 // for shard index `index`: one whose last shard it was, else one never
-// placed, else any; -1 when none is left.
+// placed, else any; within each, one on a host of `group_hosts` first. -1
+// when none is left.
 int TakeFor(const FormationInput& input, const std::vector<int>& pool,
-            int index, std::set<int>& taken) {
+            int index, const std::vector<std::string>& group_hosts,
+            std::set<int>& taken) {
+  auto on_group_host = [&](int c) {
+    const std::string& host = input.candidates[c].hostname;
+    return !host.empty() && std::find(group_hosts.begin(), group_hosts.end(),
+                                      host) != group_hosts.end();
+  };
   int chosen = -1;
   for (int pass = 0; pass < 3 && chosen < 0; ++pass) {
     for (int c : pool) {
@@ -58,8 +80,11 @@ int TakeFor(const FormationInput& input, const std::vector<int>& pool,
       const int last = input.candidates[c].last_shard;
       if (pass == 2 || (pass == 0 && last == index) ||
           (pass == 1 && last < 0)) {
-        chosen = c;
-        break;
+        if (chosen < 0) chosen = c;
+        if (on_group_host(c)) {
+          chosen = c;
+          break;
+        }
       }
     }
   }
@@ -94,7 +119,8 @@ GenerationPlan PlanWithoutState(const FormationInput& input) {
   std::vector<int> placed;
   std::set<int> taken;
   for (int r = 0; r < plan.replicas * input.shard; ++r) {
-    placed.push_back(TakeFor(input, order, r % input.shard, taken));
+    placed.push_back(TakeFor(input, order, r % input.shard,
+                             GroupHosts(input, placed), taken));
   }
   Finish(input, placed, std::vector<bool>(placed.size(), false), plan);
   return plan;
@@ -186,7 +212,8 @@ GenerationPlan PlanGeneration(const FormationInput& input) {
       }
       const bool heal = chosen < 0;
       if (heal) {
-        chosen = TakeFor(input, to_heal, index, taken);
+        chosen =
+            TakeFor(input, to_heal, index, GroupHosts(input, placed), taken);
       } else {
         taken.insert(chosen);
       }
@@ -196,6 +223,29 @@ GenerationPlan PlanGeneration(const FormationInput& input) {
   }
   Finish(input, placed, healed, plan);
   return plan;
+}
+
+std::vector<std::string> ShardGroupsAcrossHosts(
+    int shard, const std::vector<std::string>& hosts_by_rank) {
+  std::vector<std::string> warnings;
+  if (shard < 1) return warnings;
+  const int world = static_cast<int>(hosts_by_rank.size());
+  for (int group = 0; group * shard < world; ++group) {
+    std::vector<std::string> hosts;
+    for (int rank = group * shard; rank < std::min(world, (group + 1) * shard);
+         ++rank) {
+      const std::string& host = hosts_by_rank[rank];
+      if (host.empty()) continue;
+      if (std::find(hosts.begin(), hosts.end(), host) == hosts.end()) {
+        hosts.push_back(host);
+      }
+    }
+    if (hosts.size() < 2) continue;
+    warnings.push_back(absl::StrCat("shard group ", group, " spans hosts ",
+                                    absl::StrJoin(hosts, ", "),
+                                    " (its all-gathers cross the host link)"));
+  }
+  return warnings;
 }
 
 }  // namespace hsdp::coordinator

@@ -22,6 +22,12 @@
 //   first (in their old order); the remaining groups take, per shard index,
 //   the remaining holders first (in their old rank order), then workers to
 //   heal in the candidates' order. Ranks are replica index * S + shard index.
+// - A place filled by choice (any place before a commit; one for a worker to
+//   heal after) takes, of the workers its turn allows (those whose last
+//   shard index it is, else those never placed, else any), the first one on
+//   a host of the group's ranks placed so far, else the first: a shard group
+//   is meant to lie inside one host (ShardGroupsAcrossHosts names those that
+//   do not).
 // - Roles: holders TRAIN; workers placed without the state are HEAL_TARGETs;
 //   every holder of a shard index that has targets is a HEAL_SOURCE, and the
 //   targets read one part from each of them (see worker/comm/heal.h).
@@ -51,6 +57,8 @@ struct FormationCandidate {
   // another shard index must lay its shards out anew (the worker refuses),
   // so it is placed there whenever it can be.
   int last_shard = -1;
+  // Its host; empty when unknown.
+  std::string hostname;
 };
 
 struct FormationInput {
@@ -85,6 +93,16 @@ struct GenerationPlan {
 };
 
 GenerationPlan PlanGeneration(const FormationInput& input);
+
+// One line per shard group (ranks [k*S, (k+1)*S), S = `shard`) whose workers
+// run on more than one host, e.g. "shard group 1 spans hosts a, b (its
+// all-gathers cross the host link)", hosts in rank order. Such a generation
+// trains, but HSDP keeps each shard group inside one host because its
+// all-gathers and reduce-scatters run every unit, every step; only the
+// replicate groups are meant to cross hosts. `hosts_by_rank` holds one
+// hostname per rank; an empty one (unknown, or a free rank) is left out.
+std::vector<std::string> ShardGroupsAcrossHosts(
+    int shard, const std::vector<std::string>& hosts_by_rank);
 
 }  // namespace hsdp::coordinator
 

@@ -14,6 +14,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/file_util.h"
@@ -33,11 +34,15 @@ using hsdp::coordinator::ServerOptions;
 
 constexpr int kExitError = 1;
 constexpr int kExitUsage = 2;
+// --mesh value that derives the mesh from --ranks-per-host.
+constexpr absl::string_view kMeshAuto = "auto";
 
 struct Flags {
   std::string job_id;
   int world_size = 0;
   std::string mesh;
+  // With --mesh auto: ranks on each host, the shard degree.
+  int ranks_per_host = 0;
   std::string policy_file;
   std::string listen = "0.0.0.0:50051";
   std::string port_file;
@@ -76,6 +81,40 @@ int ValidatePolicyFile(const std::string& path) {
   return 0;
 }
 
+// --mesh RxS, or --mesh auto with --ranks-per-host G: (world/G) x G, so each
+// shard group is the ranks of one host and only replicate groups cross hosts.
+absl::StatusOr<hsdp::MeshShape> ResolveMesh(const Flags& f) {
+  if (f.ranks_per_host < 0) {
+    return absl::InvalidArgumentError("--ranks-per-host must be >= 1");
+  }
+  if (absl::StripAsciiWhitespace(f.mesh) != kMeshAuto) {
+    HSDP_ASSIGN_OR_RETURN(hsdp::MeshShape mesh,
+                          hsdp::ParseMeshForWorld(f.mesh, f.world_size));
+    // Both given: they must agree, or the shard groups would not be hosts.
+    if (f.ranks_per_host != 0 && f.ranks_per_host != mesh.shard) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--ranks-per-host ", f.ranks_per_host,
+                       " disagrees with --mesh ", hsdp::MeshToString(mesh),
+                       " (shard degree ", mesh.shard, "); use --mesh auto"));
+    }
+    return mesh;
+  }
+  if (f.ranks_per_host == 0) {
+    return absl::InvalidArgumentError(
+        "--mesh auto needs --ranks-per-host (the ranks on each host)");
+  }
+  if (f.world_size % f.ranks_per_host != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--ranks-per-host ", f.ranks_per_host, " does not divide --world-size ",
+        f.world_size, " (--mesh auto)"));
+  }
+  hsdp::MeshShape mesh;
+  mesh.replicate = f.world_size / f.ranks_per_host;
+  mesh.shard = f.ranks_per_host;
+  HSDP_RETURN_IF_ERROR(hsdp::ValidateMesh(mesh, f.world_size));
+  return mesh;
+}
+
 absl::StatusOr<JobConfig> BuildJobConfig(const Flags& f) {
   JobConfig job;
   job.job_id = f.job_id;
@@ -84,8 +123,7 @@ absl::StatusOr<JobConfig> BuildJobConfig(const Flags& f) {
   if (f.world_size < 1)
     return absl::InvalidArgumentError("--world-size must be >= 1");
   job.world_size = f.world_size;
-  HSDP_ASSIGN_OR_RETURN(job.mesh,
-                        hsdp::ParseMeshForWorld(f.mesh, f.world_size));
+  HSDP_ASSIGN_OR_RETURN(job.mesh, ResolveMesh(f));
   if (!f.policy_file.empty()) {
     HSDP_ASSIGN_OR_RETURN(job.policy, hsdp::ReadPolicyFile(f.policy_file));
     HSDP_RETURN_IF_ERROR(hsdp::AnnotateStatus(
@@ -197,8 +235,14 @@ int main(int argc, char** argv) {
   app.add_option("--job-id", f.job_id, "Job id")->envname("HSDP_JOB_ID");
   app.add_option("--world-size", f.world_size, "Number of ranks")
       ->envname("HSDP_WORLD_SIZE");
-  app.add_option("--mesh", f.mesh, "Mesh RxS (default 1xWORLD)")
+  app.add_option("--mesh", f.mesh,
+                 "Mesh RxS (default 1xWORLD), or auto: (WORLD/G)xG with G "
+                 "from --ranks-per-host")
       ->envname("HSDP_MESH");
+  app.add_option("--ranks-per-host", f.ranks_per_host,
+                 "With --mesh auto: ranks on each host, the shard degree G "
+                 "(must divide --world-size)")
+      ->envname("HSDP_RANKS_PER_HOST");
   app.add_option("--policy-file", f.policy_file,
                  "Initial policy (JSON or text format)")
       ->envname("HSDP_POLICY_FILE");

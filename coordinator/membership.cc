@@ -422,10 +422,54 @@ absl::StatusOr<int> Membership::PickOpenRankLocked(const JoinArgs& args) const {
     }
     return hint;
   }
-  for (int rank = 0; rank < world; ++rank) {
-    if (ids[rank] == 0) return rank;
+  // Shard groups are meant to lie inside one host (their collectives run
+  // every unit, every step): first a group already on the joiner's host,
+  // then a group nobody took yet, so the next joiner from another host does
+  // not land beside it.
+  const int s = options_.mesh.shard;
+  int first_free = -1;
+  int first_empty_group = -1;
+  for (int start = 0; start < world; start += s) {
+    int free_rank = -1;
+    bool taken = false;
+    bool all_on_host = true;
+    for (int rank = start; rank < std::min(world, start + s); ++rank) {
+      if (ids[rank] == 0) {
+        if (free_rank < 0) free_rank = rank;
+        continue;
+      }
+      taken = true;
+      const Worker* holder = FindLocked(ids[rank]);
+      all_on_host &= holder != nullptr && holder->hostname == args.hostname;
+    }
+    if (free_rank < 0) continue;
+    if (first_free < 0) first_free = free_rank;
+    if (args.hostname.empty()) break;
+    if (taken && all_on_host) return free_rank;
+    if (!taken && first_empty_group < 0) first_empty_group = free_rank;
   }
+  if (first_empty_group >= 0) return first_empty_group;
+  if (first_free >= 0) return first_free;
   return absl::InternalError("the open generation has no free rank");
+}
+
+std::vector<std::string> Membership::TopologyWarningsLocked() const {
+  if (current_.phase == Phase::kNone) return {};
+  std::vector<std::string> hosts;
+  hosts.reserve(current_.info.worker_ids_size());
+  for (const int64_t id : current_.info.worker_ids()) {
+    const Worker* w = id != 0 ? FindLocked(id) : nullptr;
+    hosts.push_back(w != nullptr ? w->hostname : std::string());
+  }
+  return ShardGroupsAcrossHosts(current_.info.mesh().shard(), hosts);
+}
+
+void Membership::ReportTopologyLocked() {
+  if (listener_ == nullptr) return;
+  const std::vector<std::string> warnings = TopologyWarningsLocked();
+  if (!warnings.empty()) {
+    listener_->OnShardGroupsAcrossHosts(current_.info.generation(), warnings);
+  }
 }
 
 int Membership::NonMembersAliveLocked() const {
@@ -554,6 +598,7 @@ absl::StatusOr<JoinResult> Membership::Join(const JoinArgs& args) {
   w.device = args.device;
   w.last_heartbeat = now;
   w.ready = true;
+  bool formed_open = false;
   if (current_.phase == Phase::kOpen) {
     absl::StatusOr<int> rank = PickOpenRankLocked(args);
     if (!rank.ok()) {
@@ -569,6 +614,7 @@ absl::StatusOr<JoinResult> Membership::Join(const JoinArgs& args) {
     if (std::count(current_.info.worker_ids().begin(),
                    current_.info.worker_ids().end(), 0) == 0) {
       current_.phase = Phase::kActive;
+      formed_open = true;
     }
   } else if (NonMembersAliveLocked() >= options_.world_size) {
     next_worker_id_ = previous_next_id;
@@ -605,6 +651,7 @@ absl::StatusOr<JoinResult> Membership::Join(const JoinArgs& args) {
   }
   JoinResult result = JoinResultLocked(workers_[id]);
   result.established_model = establishes;
+  if (formed_open) ReportTopologyLocked();
   UpdateGrowLocked();
   MaybeFormLocked();
   changed_.SignalAll();
@@ -903,6 +950,7 @@ MembershipStatus Membership::Status() const {
   }
   status.failures = failures_;
   status.last_failure = last_failure_;
+  status.topology_warnings = TopologyWarningsLocked();
   return status;
 }
 

@@ -4,9 +4,15 @@
 // worker/agent/ELASTIC.md; the rules the coordinator follows are here.
 //
 // Workers. Join hands out a new worker id (never reused). The first
-// generation is "open": a joiner takes a free rank at once (its hint, else the
-// lowest free one; a hint held by a live worker is ALREADY_EXISTS, outside
-// [0, world) INVALID_ARGUMENT). Once every rank is taken it is active, and
+// generation is "open": a joiner takes a free rank at once: its hint (a hint
+// held by a live worker is ALREADY_EXISTS, outside [0, world)
+// INVALID_ARGUMENT); without one, by host, since a shard group (ranks
+// [k*S, (k+1)*S)) is meant to lie inside one host: the lowest free rank of
+// the first shard group whose taken ranks are all on the joiner's host, else
+// the lowest free rank of the first shard group nobody took yet, else the
+// lowest free rank (also for a joiner that reports no host). A generation
+// whose shard group spans hosts still forms; Status() and the listener say
+// which (ShardGroupsAcrossHosts). Once every rank is taken it is active, and
 // later joiners wait (JOINING) in AwaitGeneration for a generation that
 // includes them. Non-members (joining or standby) are capped at the world
 // size (RESOURCE_EXHAUSTED beyond). The first joiner's model name and unit
@@ -191,6 +197,9 @@ struct MembershipStatus {
   std::string message;
   int64_t failures = 0;
   std::optional<hsdp::v1::FailureRecord> last_failure;
+  // The current generation's shard groups that span hosts, one line each
+  // (ShardGroupsAcrossHosts); empty when each lies inside one host.
+  std::vector<std::string> topology_warnings;
 };
 
 // What Membership tells the rest of the coordinator. Called with the
@@ -203,6 +212,10 @@ class MembershipListener {
   virtual void OnGenerationEnded(int64_t generation,
                                  hsdp::v1::FailureCause cause) = 0;
   virtual void OnGenerationFormed(const hsdp::v1::Generation& generation) = 0;
+  // `generation` formed (the open first one: once its last rank was taken)
+  // with shard groups that span hosts, one line each.
+  virtual void OnShardGroupsAcrossHosts(
+      int64_t /*generation*/, const std::vector<std::string>& /*warnings*/) {}
   virtual void OnStepCommitted(int64_t generation, int64_t step) = 0;
   // The first step after a failure committed: the failure's cost is known.
   virtual void OnRecovered(const hsdp::v1::FailureRecord& failure) = 0;
@@ -461,6 +474,12 @@ class Membership {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<int> PickOpenRankLocked(const JoinArgs& args) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The current generation's shard groups that span hosts (none while no
+  // generation runs).
+  std::vector<std::string> TopologyWarningsLocked() const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Tells the listener when the generation just formed has such groups.
+  void ReportTopologyLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   int NonMembersAliveLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void PruneDepartedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::vector<int64_t> SweepLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -133,6 +133,7 @@ FormationInput Membership::FormationInputLocked(bool only_confirmed) const {
       c.worker_id = w->id;
       c.holder_shard = w->holder_shard;
       c.last_shard = w->last_shard;
+      c.hostname = w->hostname;
       if (list == &former) {
         c.previous_rank = w->rank;
         c.previous_replica = w->rank / options_.mesh.shard;
@@ -257,6 +258,7 @@ void Membership::FormLocked() {
     last_failure_->set_formed_unix_ms(absl::ToUnixMillis(now));
   }
   if (listener_ != nullptr) listener_->OnGenerationFormed(current_.info);
+  ReportTopologyLocked();
   (void)PersistLocked();
   changed_.SignalAll();
 }

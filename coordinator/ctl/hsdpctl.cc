@@ -318,6 +318,9 @@ absl::Status Status(ControlClient& client, const GlobalOptions& g,
                             r.workers_standby(), " standby, ",
                             r.workers_joining(), " joining")});
         t.Add({"generation", std::to_string(r.generation())});
+        for (const std::string& warning : r.topology_warnings()) {
+          t.Add({"topology", warning});
+        }
         t.Add({"committed step", StepOrNone(r.last_committed_step())});
         t.Add({"sealed step", StepOrNone(r.sealed_step())});
         t.Add({"policy version", std::to_string(r.policy_version())});

@@ -12,6 +12,7 @@
 #include <map>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "hsdp/v1/control_service.grpc.pb.h"
@@ -40,10 +41,7 @@ struct Clients {
   hsdp::v1::JoinResponse Join(int rank, int64_t worker_id = 0) {
     hsdp::v1::JoinRequest request = MakeJoin(kJob, kLayers, rank);
     request.set_worker_id(worker_id);
-    hsdp::v1::JoinResponse response;
-    grpc::Status s = worker->Join(Ctx().get(), request, &response);
-    EXPECT_TRUE(s.ok()) << s.error_message();
-    return response;
+    return JoinOrFail(*worker, request);
   }
   // Legacy read by rank (clients without worker ids).
   std::string Fetch(int rank, int64_t step) {
@@ -129,11 +127,7 @@ struct Clients {
     return reform;
   }
   hsdp::v1::GetStatusResponse Status() {
-    hsdp::v1::GetStatusResponse response;
-    grpc::Status s = control->GetStatus(
-        Ctx(std::chrono::seconds(10), kToken).get(), {}, &response);
-    EXPECT_TRUE(s.ok()) << s.error_message();
-    return response;
+    return GetStatusOrFail(*control, kToken, std::chrono::seconds(10));
   }
   hsdp::v1::GetPolicyResponse Policy() {
     hsdp::v1::GetPolicyResponse response;
@@ -434,6 +428,44 @@ TEST(CoordinatorE2eTest, MeshNotDividingTheWorldExitsWithTheReason) {
   EXPECT_EQ(r.err,
             "hsdp-coordinator: mesh 3x2 has 6 ranks but the world size is 4\n");
   EXPECT_EQ(r.out, "");
+}
+
+TEST(CoordinatorE2eTest, MeshAutoTakesTheShardDegreeFromRanksPerHost) {
+  RunResult r =
+      RunCommand({HSDP_COORDINATOR_BIN, "--job-id", "j", "--world-size", "8",
+                  "--mesh", "auto", "--ranks-per-host", "4", "--check-config"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("mesh:              2x4\n"), std::string::npos) << r.out;
+  // Agreeing with an explicit mesh is fine.
+  r = RunCommand({HSDP_COORDINATOR_BIN, "--job-id", "j", "--world-size", "8",
+                  "--mesh", "2x4", "--ranks-per-host", "4", "--check-config"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+}
+
+TEST(CoordinatorE2eTest, MeshAutoRefusesWithTheFlagToFix) {
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"--mesh", "auto"},
+       "hsdp-coordinator: --mesh auto needs --ranks-per-host (the ranks on "
+       "each host)\n"},
+      {{"--mesh", "auto", "--ranks-per-host", "3"},
+       "hsdp-coordinator: --ranks-per-host 3 does not divide --world-size 8 "
+       "(--mesh auto)\n"},
+      {{"--mesh", "auto", "--ranks-per-host", "-2"},
+       "hsdp-coordinator: --ranks-per-host must be >= 1\n"},
+      {{"--mesh", "4x2", "--ranks-per-host", "4"},
+       "hsdp-coordinator: --ranks-per-host 4 disagrees with --mesh 4x2 (shard "
+       "degree 2); use --mesh auto\n"},
+  };
+  for (const auto& [flags, err] : cases) {
+    std::vector<std::string> argv = {
+        HSDP_COORDINATOR_BIN, "--job-id", "j",
+        "--world-size",       "8",        "--check-config"};
+    argv.insert(argv.end(), flags.begin(), flags.end());
+    RunResult r = RunCommand(argv);
+    EXPECT_EQ(r.exit_code, 2) << flags.back();
+    EXPECT_EQ(r.err, err);
+    EXPECT_EQ(r.out, "");
+  }
 }
 
 TEST(CoordinatorE2eTest, PortInUseFailsAtStartup) {

@@ -39,7 +39,9 @@ namespace {
 
 using ::hsdp::testing::Connect;
 using ::hsdp::testing::Ctx;
+using ::hsdp::testing::GetStatusOrFail;
 using ::hsdp::testing::HttpGet;
+using ::hsdp::testing::JoinOrFail;
 using ::hsdp::testing::MakeJoin;
 using ::hsdp::v1::ControlService;
 using ::hsdp::v1::CoordinatorService;
@@ -79,6 +81,13 @@ class ServiceTest : public ::testing::Test {
         worker_->Join(Ctx().get(), MakeJoin(kJob, kLayers, rank), &response);
     EXPECT_TRUE(s.ok()) << s.error_message();
     return response;
+  }
+
+  // Joins from `host`, with rank hint `hint` (-1: none).
+  hsdp::v1::JoinResponse JoinFrom(int hint, const std::string& host) {
+    hsdp::v1::JoinRequest request = MakeJoin(kJob, kLayers, hint);
+    request.set_hostname(host);
+    return JoinOrFail(*worker_, request);
   }
 
   grpc::Status Report(int rank, int64_t step, bool finished = false) {
@@ -326,6 +335,35 @@ TEST_F(ServiceTest, SixtyFourWorkersAgreeOnEveryStepWhilePolicyChanges) {
           ->GetStatus(Ctx(std::chrono::seconds(30), kToken).get(), {}, &status)
           .ok());
   EXPECT_EQ(status.state(), hsdp::v1::JOB_STATE_FINISHED);
+}
+
+// Hint-less joiners from two hosts make one-host shard groups: GetStatus has
+// nothing to say about the topology.
+TEST_F(ServiceTest, HintlessJoinersFromTwoHostsGetOneHostShardGroups) {
+  StartServer(4, MeshShape{2, 2});
+  std::vector<int> ranks;
+  for (const char* host : {"a", "b", "a", "b"}) {
+    ranks.push_back(JoinFrom(-1, host).rank());
+  }
+  EXPECT_EQ(ranks, (std::vector<int>{0, 2, 1, 3}));
+  const hsdp::v1::GetStatusResponse status = GetStatusOrFail(*control_, kToken);
+  EXPECT_EQ(status.state(), hsdp::v1::JOB_STATE_RUNNING);
+  EXPECT_TRUE(status.topology_warnings().empty());
+}
+
+// Hints that put a shard group across hosts are obeyed, and GetStatus names
+// the group and its hosts.
+TEST_F(ServiceTest, StatusNamesAShardGroupThatSpansHosts) {
+  StartServer(4, MeshShape{2, 2});
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_EQ(JoinFrom(r, r == 1 ? "b" : "a").rank(), r);
+  }
+  const hsdp::v1::GetStatusResponse status = GetStatusOrFail(*control_, kToken);
+  EXPECT_EQ(status.state(), hsdp::v1::JOB_STATE_RUNNING);
+  EXPECT_EQ(std::vector<std::string>(status.topology_warnings().begin(),
+                                     status.topology_warnings().end()),
+            (std::vector<std::string>{"shard group 0 spans hosts a, b (its "
+                                      "all-gathers cross the host link)"}));
 }
 
 // --- Bad input: exact status code, and a snapshot of everything observable is

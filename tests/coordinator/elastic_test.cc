@@ -142,6 +142,19 @@ TEST_F(ElasticTest, ShrinkOnFailureReportWithoutHeartbeatWait) {
             (std::vector<std::string>{"committed 0:0",
                                       "ended 0 FAILURE_CAUSE_REPORTED",
                                       "formed 1", "committed 1:1"}));
+  // JoinAll puts every rank on a host of its own: each shard group spans
+  // hosts, which is said for the first generation and for the one formed
+  // after it.
+  const std::string across = " (its all-gathers cross the host link)";
+  EXPECT_EQ(
+      listener_.topology,
+      (std::vector<std::string>{
+          "generation 0: shard group 0 spans hosts host-0, host-1" + across,
+          "generation 0: shard group 1 spans hosts host-2, host-3" + across,
+          "generation 1: shard group 0 spans hosts host-0, host-1" + across}));
+  EXPECT_EQ(m->Status().topology_warnings,
+            (std::vector<std::string>{
+                "shard group 0 spans hosts host-0, host-1" + across}));
 }
 
 // The failed member's schedule stream broke from its side (its process

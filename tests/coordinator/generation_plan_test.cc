@@ -3,6 +3,7 @@
 
 #include <gtest/gtest.h>
 
+#include <string>
 #include <vector>
 
 namespace hsdp::coordinator {
@@ -15,10 +16,19 @@ constexpr GenerationRole kTarget = hsdp::v1::GENERATION_ROLE_HEAL_TARGET;
 
 // A member of the ended generation at `rank` holding its shard's state.
 FormationCandidate Holder(int64_t id, int rank, int shard) {
-  return FormationCandidate{id, rank % shard, rank / shard, rank};
+  FormationCandidate c;
+  c.worker_id = id;
+  c.holder_shard = rank % shard;
+  c.previous_replica = rank / shard;
+  c.previous_rank = rank;
+  return c;
 }
 // A worker without the state (standby or joining).
-FormationCandidate Fresh(int64_t id) { return FormationCandidate{id}; }
+FormationCandidate Fresh(int64_t id) {
+  FormationCandidate c;
+  c.worker_id = id;
+  return c;
+}
 
 FormationInput Input(int shard, int max_replicas, bool state,
                      std::vector<FormationCandidate> candidates,
@@ -141,6 +151,55 @@ TEST(GenerationPlanTest, NeverMoreGroupsThanTheMesh) {
   EXPECT_EQ(plan.replicas, 3);
   EXPECT_EQ(plan.members, (std::vector<int64_t>{1, 10, 11}));
   EXPECT_EQ(plan.standby.size(), 8u);
+}
+
+FormationCandidate OnHost(FormationCandidate c, const std::string& host) {
+  c.hostname = host;
+  return c;
+}
+
+TEST(GenerationPlanTest, BeforeACommitEachGroupFillsFromOneHost) {
+  const GenerationPlan plan =
+      PlanGeneration(Input(2, 2, false,
+                           {OnHost(Fresh(1), "a"), OnHost(Fresh(2), "b"),
+                            OnHost(Fresh(3), "a"), OnHost(Fresh(4), "b")}));
+  ASSERT_EQ(plan.outcome, FormationOutcome::kFormed);
+  EXPECT_EQ(plan.members, (std::vector<int64_t>{1, 3, 2, 4}));
+}
+
+TEST(GenerationPlanTest, WorkersToHealGoToAGroupOnTheirHost) {
+  // Group 0 (host a) survives whole; group 1 lost rank 3 and keeps rank 2 on
+  // host b: of the two fresh workers, the one on b heals rank 3.
+  const std::vector<FormationCandidate> holders = {
+      OnHost(Holder(1, 0, 2), "a"), OnHost(Holder(2, 1, 2), "a"),
+      OnHost(Holder(3, 2, 2), "b")};
+  std::vector<FormationCandidate> candidates = holders;
+  candidates.push_back(OnHost(Fresh(5), "a"));
+  candidates.push_back(OnHost(Fresh(6), "b"));
+  GenerationPlan plan = PlanGeneration(Input(2, 2, true, candidates));
+  ASSERT_EQ(plan.outcome, FormationOutcome::kFormed);
+  EXPECT_EQ(plan.members, (std::vector<int64_t>{1, 2, 3, 6}));
+  EXPECT_EQ(plan.standby, (std::vector<int64_t>{5}));
+  // A worker's last shard index still comes before its host.
+  candidates = holders;
+  FormationCandidate returning = OnHost(Fresh(5), "a");
+  returning.last_shard = 1;
+  candidates.push_back(returning);
+  candidates.push_back(OnHost(Fresh(6), "b"));
+  plan = PlanGeneration(Input(2, 2, true, candidates));
+  ASSERT_EQ(plan.outcome, FormationOutcome::kFormed);
+  EXPECT_EQ(plan.members, (std::vector<int64_t>{1, 2, 3, 5}));
+}
+
+TEST(GenerationPlanTest, ShardGroupsAcrossHostsNamesEachGroupAndItsHosts) {
+  EXPECT_TRUE(ShardGroupsAcrossHosts(2, {"a", "a", "b", "b"}).empty());
+  // Unknown hosts (empty) are left out; hosts are listed in rank order.
+  EXPECT_TRUE(ShardGroupsAcrossHosts(2, {"a", "", "", ""}).empty());
+  EXPECT_EQ(ShardGroupsAcrossHosts(3, {"a", "a", "a", "c", "b", "c"}),
+            (std::vector<std::string>{"shard group 1 spans hosts c, b (its "
+                                      "all-gathers cross the host link)"}));
+  // One shard group per rank never spans hosts.
+  EXPECT_TRUE(ShardGroupsAcrossHosts(1, {"a", "b"}).empty());
 }
 
 }  // namespace

@@ -86,6 +86,12 @@ TEST_F(HsdpctlTest, StatusAndWorkersAsTablesAndJson) {
   EXPECT_NE(r.out.find("world            2 (mesh 1x2)"), std::string::npos)
       << r.out;
   EXPECT_NE(r.out.find("sealed step      1"), std::string::npos) << r.out;
+  // The two workers report hosts of their own (host-0, host-1), so the one
+  // shard group spans hosts.
+  EXPECT_NE(r.out.find("topology         shard group 0 spans hosts host-0, "
+                       "host-1 (its all-gathers cross the host link)"),
+            std::string::npos)
+      << r.out;
 
   r = Ctl({"--json", "status"});
   ASSERT_EQ(r.exit_code, 0) << r.err;

@@ -141,6 +141,73 @@ TEST_F(MembershipTest, OpenGenerationFreesTheRankOfALostWorker) {
   EXPECT_EQ(m->generation(), 0);
 }
 
+// Hostnames by rank in the current generation.
+std::vector<std::string> HostsByRank(Membership& m) {
+  std::vector<std::string> hosts(m.world_size());
+  for (const WorkerSnapshot& w : m.Workers()) {
+    if (w.rank >= 0) hosts[w.rank] = w.hostname;
+  }
+  return hosts;
+}
+
+// Without hints, joiners from two hosts arriving interleaved still make shard
+// groups of one host each: HSDP's all-gathers stay on the host.
+TEST_F(MembershipTest, HintlessJoinersFillShardGroupsByHost) {
+  auto m = Make({2, 2});
+  std::vector<int> ranks;
+  for (const char* host : {"a", "b", "a", "b"}) {
+    absl::StatusOr<JoinResult> j = m->Join(Args(std::nullopt, host));
+    ASSERT_TRUE(j.ok()) << j.status();
+    ranks.push_back(j->rank);
+  }
+  EXPECT_EQ(ranks, (std::vector<int>{0, 2, 1, 3}));
+  EXPECT_EQ(m->job_state(), hsdp::v1::JOB_STATE_RUNNING);
+  EXPECT_EQ(HostsByRank(*m), (std::vector<std::string>{"a", "a", "b", "b"}));
+  EXPECT_TRUE(m->Status().topology_warnings.empty());
+  EXPECT_TRUE(listener_.topology.empty());
+}
+
+// A shard group with a rank taken on another host is passed over, and a
+// joiner that reports no host takes the lowest free rank.
+TEST_F(MembershipTest, HostPlacementAroundHintsAndUnknownHosts) {
+  auto m = Make({3, 2});
+  EXPECT_EQ(m->Join(Args(2, "a"))->rank, 2);             // group 1: a
+  EXPECT_EQ(m->Join(Args(std::nullopt, "b"))->rank, 0);  // empty group 0
+  EXPECT_EQ(m->Join(Args(std::nullopt, "a"))->rank, 3);  // beside a
+  EXPECT_EQ(m->Join(Args(std::nullopt, ""))->rank, 1);   // lowest free
+  // Groups 0 (b + unknown) and 1 (a, a) are taken; group 2 is empty.
+  EXPECT_EQ(m->Join(Args(std::nullopt, "c"))->rank, 4);
+  // Nothing left on c's host or empty for d: the lowest free rank.
+  EXPECT_EQ(m->Join(Args(std::nullopt, "d"))->rank, 5);
+  EXPECT_EQ(m->Status().topology_warnings,
+            (std::vector<std::string>{
+                "shard group 2 spans hosts c, d (its all-gathers cross the "
+                "host link)"}));
+}
+
+// Rank hints win over hosts; the layout they force is said, once when the
+// generation forms and in Status while it runs.
+TEST_F(MembershipTest, HintsWinAndACrossHostLayoutIsSaid) {
+  auto m = Make({2, 2});
+  const std::vector<std::string> hosts = {"a", "b", "a", "b"};
+  for (int r = 0; r < 4; ++r) {
+    absl::StatusOr<JoinResult> j = m->Join(Args(r, hosts[r]));
+    ASSERT_TRUE(j.ok()) << j.status();
+    EXPECT_EQ(j->rank, r);
+    if (r < 3) {
+      EXPECT_TRUE(listener_.topology.empty()) << "still open";
+    }
+  }
+  EXPECT_EQ(HostsByRank(*m), hosts);
+  const std::vector<std::string> warnings = {
+      "shard group 0 spans hosts a, b (its all-gathers cross the host link)",
+      "shard group 1 spans hosts a, b (its all-gathers cross the host link)"};
+  EXPECT_EQ(m->Status().topology_warnings, warnings);
+  EXPECT_EQ(listener_.topology,
+            (std::vector<std::string>{"generation 0: " + warnings[0],
+                                      "generation 0: " + warnings[1]}));
+}
+
 TEST_F(MembershipTest, UnknownWorkersAndRanks) {
   auto m = Make({1, 2});
   EXPECT_EQ(m->Heartbeat(0, 0, 0).status().code(), absl::StatusCode::kNotFound);

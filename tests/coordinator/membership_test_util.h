@@ -36,6 +36,13 @@ class RecordingListener final : public MembershipListener {
   void OnGenerationFormed(const hsdp::v1::Generation& generation) override {
     events.push_back(absl::StrCat("formed ", generation.generation()));
   }
+  void OnShardGroupsAcrossHosts(
+      int64_t generation, const std::vector<std::string>& warnings) override {
+    for (const std::string& warning : warnings) {
+      topology.push_back(
+          absl::StrCat("generation ", generation, ": ", warning));
+    }
+  }
   void OnStepCommitted(int64_t generation, int64_t step) override {
     events.push_back(absl::StrCat("committed ", generation, ":", step));
   }
@@ -49,6 +56,8 @@ class RecordingListener final : public MembershipListener {
   // returned.
   std::vector<std::string> events;
   std::vector<hsdp::v1::FailureRecord> recovered;
+  // What OnShardGroupsAcrossHosts heard, one line per shard group.
+  std::vector<std::string> topology;
 };
 
 // The elastic options a test may change.

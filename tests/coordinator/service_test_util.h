@@ -5,6 +5,7 @@
 #define HSDP_TESTS_COORDINATOR_SERVICE_TEST_UTIL_H_
 
 #include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
 
 #include <chrono>
 #include <memory>
@@ -55,6 +56,27 @@ inline std::unique_ptr<grpc::ClientContext> Ctx(
 
 inline std::shared_ptr<grpc::Channel> Connect(const std::string& address) {
   return grpc::CreateChannel(address, grpc::InsecureChannelCredentials());
+}
+
+// Join; a failed call fails the test and returns an empty response.
+inline hsdp::v1::JoinResponse JoinOrFail(
+    hsdp::v1::CoordinatorService::Stub& worker,
+    const hsdp::v1::JoinRequest& request) {
+  hsdp::v1::JoinResponse response;
+  grpc::Status s = worker.Join(Ctx().get(), request, &response);
+  EXPECT_TRUE(s.ok()) << s.error_message();
+  return response;
+}
+
+// GetStatus with the control token `token` (empty: none); a failed call fails
+// the test and returns an empty response.
+inline hsdp::v1::GetStatusResponse GetStatusOrFail(
+    hsdp::v1::ControlService::Stub& control, const std::string& token,
+    std::chrono::milliseconds timeout = std::chrono::seconds(30)) {
+  hsdp::v1::GetStatusResponse response;
+  grpc::Status s = control.GetStatus(Ctx(timeout, token).get(), {}, &response);
+  EXPECT_TRUE(s.ok()) << s.error_message();
+  return response;
 }
 
 }  // namespace hsdp::testing
