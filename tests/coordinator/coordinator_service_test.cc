@@ -90,6 +90,22 @@ class ServiceTest : public ::testing::Test {
     return JoinOrFail(*worker_, request);
   }
 
+  // What a worker's agent does once its generation ended: AwaitGeneration
+  // again (confirming) until the answer is not ENDED.
+  void AwaitPastTheEnd(const hsdp::v1::JoinResponse& joined,
+                       hsdp::v1::AwaitGenerationResponse* next) {
+    for (;;) {
+      hsdp::v1::AwaitGenerationRequest request;
+      request.set_job_id(kJob);
+      request.set_worker_id(joined.worker_id());
+      request.set_generation(joined.generation());
+      grpc::Status s = worker_->AwaitGeneration(
+          Ctx(std::chrono::seconds(20)).get(), request, next);
+      ASSERT_TRUE(s.ok()) << s.error_message();
+      if (next->outcome() != hsdp::v1::AWAIT_OUTCOME_ENDED) return;
+    }
+  }
+
   grpc::Status Report(int rank, int64_t step, bool finished = false) {
     hsdp::v1::ReportStepRequest request;
     request.set_job_id(kJob);
@@ -757,16 +773,7 @@ TEST_F(ServiceTest, ADeadWorkersBrokenStreamEndsTheReformWait) {
   hsdp::v1::ReportFailureResponse failed;
   ASSERT_TRUE(worker_->ReportFailure(Ctx().get(), failure, &failed).ok());
   hsdp::v1::AwaitGenerationResponse next;
-  for (int64_t known = j0.generation();;) {
-    hsdp::v1::AwaitGenerationRequest request;
-    request.set_job_id(kJob);
-    request.set_worker_id(j0.worker_id());
-    request.set_generation(known);
-    grpc::Status s = worker_->AwaitGeneration(
-        Ctx(std::chrono::seconds(20)).get(), request, &next);
-    ASSERT_TRUE(s.ok()) << s.error_message();
-    if (next.outcome() != hsdp::v1::AWAIT_OUTCOME_ENDED) break;
-  }
+  ASSERT_NO_FATAL_FAILURE(AwaitPastTheEnd(j0, &next));
   ASSERT_EQ(next.outcome(), hsdp::v1::AWAIT_OUTCOME_FORMED);
   EXPECT_EQ(next.generation().generation(), j0.generation() + 1);
   ASSERT_EQ(next.generation().worker_ids_size(), 1);
@@ -794,16 +801,7 @@ TEST_F(ServiceTest, SilentWorkerIsLostAndTheSurvivorReforms) {
     }
   });
   hsdp::v1::AwaitGenerationResponse next;
-  for (int64_t known = j0.generation();;) {
-    hsdp::v1::AwaitGenerationRequest request;
-    request.set_job_id(kJob);
-    request.set_worker_id(j0.worker_id());
-    request.set_generation(known);
-    grpc::Status s = worker_->AwaitGeneration(
-        Ctx(std::chrono::seconds(20)).get(), request, &next);
-    ASSERT_TRUE(s.ok()) << s.error_message();
-    if (next.outcome() != hsdp::v1::AWAIT_OUTCOME_ENDED) break;
-  }
+  ASSERT_NO_FATAL_FAILURE(AwaitPastTheEnd(j0, &next));
   stop = true;
   beats.join();
   ASSERT_EQ(next.outcome(), hsdp::v1::AWAIT_OUTCOME_FORMED);

@@ -131,12 +131,12 @@ struct MixedPrecisionPolicy {
   std::optional<c10::ScalarType> reduce_dtype;
   // Dtype a unit's unsharded gradients accumulate in until they are reduced,
   // across the microbatches of a step that do not synchronise gradients
-  // (default: param_dtype, in the module parameter's own grad). kFloat with a bf16 param_dtype is
-  // Megatron's fp32 main gradient: after each backward of the unit its bf16
-  // gradients are added into an fp32 copy, so precision holds over many
-  // microbatches. Costs 4 bytes per unsharded element from the unit's first
-  // backward of the step until its reduction (EngineStats counts them with
-  // the unsharded gradients).
+  // (default: param_dtype, in the module parameter's own grad). kFloat with a
+  // bf16 param_dtype is Megatron's fp32 main gradient: after each backward of
+  // the unit its bf16 gradients are added into an fp32 copy, so precision holds
+  // over many microbatches. Costs 4 bytes per unsharded element from the unit's
+  // first backward of the step until its reduction (EngineStats counts them
+  // with the unsharded gradients).
   std::optional<c10::ScalarType> grad_accumulation_dtype;
   // Root outputs are cast to this.
   std::optional<c10::ScalarType> output_dtype;
