@@ -301,26 +301,20 @@ void Membership::UpdateGrowLocked() {
 absl::StatusOr<AwaitResult> Membership::AwaitGeneration(
     int64_t worker_id, int64_t known_generation, absl::Time deadline) {
   absl::MutexLock lock(&mu_);
-  // A call that starts shows the worker is there. (Not on every wake-up: a
-  // dead worker's long poll goes on until its deadline.)
-  if (Worker* w = FindLocked(worker_id); w != nullptr) {
-    w->stream_lost_generation = -1;
-  }
   // The call began while the caller's generation was active: it reports the
   // end (ENDED) instead of confirming.
   bool watched_active = false;
   bool timed_out = false;
-  // Only the call's first pass is evidence that the worker is there.
-  bool first_pass = true;
-  for (;; first_pass = false) {
+  while (true) {
     if (shutdown_) {
       return absl::UnavailableError("coordinator is shutting down");
     }
     absl::StatusOr<Worker*> found = FindLiveLocked(worker_id);
     if (!found.ok()) return found.status();
     Worker* w = *found;
+    w->stream_lost_generation = -1;  // it is there
     const bool member = IsMemberLocked(worker_id);
-    if (first_pass && !member && !w->ready && w->liveness == Liveness::kAlive) {
+    if (!member && !w->ready && w->liveness == Liveness::kAlive) {
       // It is there after all: it may be placed, and may make the job grow.
       w->ready = true;
       UpdateGrowLocked();

@@ -168,10 +168,6 @@ TEST_F(ElasticTest, FormsWithoutTheWindowWhenTheSilentMembersStreamBroke) {
     auto m = Make({2, 2});
     const std::vector<int64_t> ids = JoinAll(*m);
     Commit(*m, 0);
-    // The dead worker's watcher call, begun while it was alive, goes on in
-    // the coordinator: its wake-ups show nothing.
-    auto dead_poll = AwaitAsync(*m, ids[3], 0);
-    absl::SleepFor(absl::Milliseconds(300));  // it waits
     if (lost_first) m->ScheduleStreamLost(ids[3], 0);
     ASSERT_TRUE(*m->ReportFailure(ids[2], 0, 1, "AllGather: lost peer rank 3"));
     auto c0 = ConfirmAsync(*m, ids[0], 0);
@@ -190,18 +186,6 @@ TEST_F(ElasticTest, FormsWithoutTheWindowWhenTheSilentMembersStreamBroke) {
     EXPECT_EQ(c2.get()->outcome, hsdp::v1::AWAIT_OUTCOME_STANDBY);
     EXPECT_EQ(m->generation(), 1);
     EXPECT_EQ(Members(*m), (std::vector<int64_t>{ids[0], ids[1]}));
-    // Woken by the end or by the formation: either way, not placed.
-    absl::StatusOr<AwaitResult> dead = dead_poll.get();
-    ASSERT_TRUE(dead.ok()) << dead.status();
-    EXPECT_NE(dead->outcome, hsdp::v1::AWAIT_OUTCOME_FORMED);
-    // Nor does its wake-up count as the worker being there: with the
-    // standby rank 2 it would complete a replica group, and the job would
-    // grow onto a dead worker at the next step boundary.
-    for (const auto& r : VoteAll(*m, {ids[0], ids[1]}, 1, 1)) {
-      ASSERT_TRUE(r.ok()) << r.status();
-      EXPECT_FALSE(r->reform_after);
-    }
-    EXPECT_EQ(m->job_state(), hsdp::v1::JOB_STATE_DEGRADED);
   }
 }
 
