@@ -667,7 +667,6 @@ absl::StatusOr<HeartbeatResult> Membership::Heartbeat(int64_t worker_id,
   if (absl::Status s = CheckNotLostLocked(w); !s.ok()) return s;
   w.restored = false;
   w.last_heartbeat = options_.clock->Now();
-  w.stream_lost_generation = -1;  // it is there
   w.step = step;
   HeartbeatResult result;
   result.worker_id = w.id;

@@ -32,17 +32,12 @@
 //   one, aborting the step in flight).
 // Members confirm they are alive by calling AwaitGeneration while it ends;
 // once every live member confirmed, or `reform_window` passed, the next one is
-// formed. A member whose schedule stream of that generation broke from its
-// side (ScheduleStreamLost: its process died, so its connection closed) is
-// not waited for; any call it makes later (a heartbeat, AwaitGeneration)
-// shows it is there, so a member that is merely slow keeps its connection,
-// is still waited for, and the window bounds only the wait for such members.
-// The next generation is formed (generation_plan.h) from the confirmed members
-// (the holders of the state), the standby workers and the joiners, starting at
-// the last committed step + 1. Unconfirmed members stand by. Too few workers
-// for min_replicas groups: no generation until more join (the job WAITs; the
-// holders keep the state). A shard index without a live holder: the job FAILs
-// (the hook to restart from the latest checkpoint instead is NoLiveCopy()).
+// formed (generation_plan.h) from the confirmed members (the holders of the
+// state), the standby workers and the joiners, starting at the last committed
+// step + 1. Unconfirmed members stand by. Too few workers for min_replicas
+// groups: no generation until more join (the job WAITs; the holders keep the
+// state). A shard index without a live holder: the job FAILs (the hook to
+// restart from the latest checkpoint instead is NoLiveCopy()).
 //
 // Steps commit in two phases: every member votes (CommitStep) after the
 // step's collectives and before its optimizer step; the last vote commits the
@@ -331,16 +326,6 @@ class Membership {
                                     std::optional<int64_t> worker_id)
       ABSL_LOCKS_EXCLUDED(mu_);
 
-  // The schedule stream `worker_id` held for `generation` ended from the
-  // worker's side (cancelled, or its connection closed) before the
-  // coordinator ended it: if that is the current generation and the worker
-  // sends nothing more, the worker is taken for gone and an ending
-  // generation no longer waits for its confirmation. Any later heartbeat or
-  // AwaitGeneration of the worker takes this back. Other generations and
-  // unknown workers are ignored.
-  void ScheduleStreamLost(int64_t worker_id, int64_t generation)
-      ABSL_LOCKS_EXCLUDED(mu_);
-
   // Time-driven work, called periodically (every heartbeat_timeout / 4 or
   // so): loses silent workers, forms the next generation once the confirm
   // window passed, ends a generation whose joiners or eviction waited
@@ -412,9 +397,6 @@ class Membership {
     // are placed in a new generation or make it grow. A member that did not
     // confirm is not ready until it calls again (it may be dead).
     bool ready = false;
-    // The generation whose schedule stream it lost (ScheduleStreamLost) with
-    // nothing heard from it since; -1: none.
-    int64_t stream_lost_generation = -1;
     std::deque<hsdp::v1::WorkerEvent> history;
   };
 

@@ -89,7 +89,6 @@ void Membership::MaybeFormLocked() {
     for (const int64_t id : current_.info.worker_ids()) {
       const Worker* w = FindLocked(id);
       if (w != nullptr && w->liveness == Liveness::kAlive && !w->evicted &&
-          w->stream_lost_generation != current_.info.generation() &&
           current_.confirmed.count(id) == 0) {
         all_confirmed = false;
       }
@@ -312,7 +311,6 @@ absl::StatusOr<AwaitResult> Membership::AwaitGeneration(
     absl::StatusOr<Worker*> found = FindLiveLocked(worker_id);
     if (!found.ok()) return found.status();
     Worker* w = *found;
-    w->stream_lost_generation = -1;  // it is there
     const bool member = IsMemberLocked(worker_id);
     if (!member && !w->ready && w->liveness == Liveness::kAlive) {
       // It is there after all: it may be placed, and may make the job grow.
@@ -376,18 +374,6 @@ absl::StatusOr<AwaitResult> Membership::AwaitGeneration(
     }
     timed_out = changed_.WaitWithDeadline(&mu_, deadline);
   }
-}
-
-void Membership::ScheduleStreamLost(int64_t worker_id, int64_t generation) {
-  absl::MutexLock lock(&mu_);
-  if (shutdown_ || generation != current_.info.generation() ||
-      !IsMemberLocked(worker_id)) {
-    return;
-  }
-  Worker* w = FindLocked(worker_id);
-  if (w == nullptr || w->liveness != Liveness::kAlive) return;
-  w->stream_lost_generation = generation;
-  MaybeFormLocked();
 }
 
 absl::StatusOr<bool> Membership::ReportFailure(int64_t worker_id,
