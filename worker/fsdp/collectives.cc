@@ -65,7 +65,7 @@ void AllGatherCopyIn(const std::vector<ShardedParam*>& params,
 void AllGatherCopyOut(const at::Tensor& output,
                       const std::vector<ShardedParam*>& params) {
   at::NoGradGuard no_grad;
-  const int64_t size = params.empty() ? 1 : params.front()->spec().shard_size;
+  const int64_t size = params.empty() ? 1 : params.front()->layout_size();
   const at::Tensor chunks = output.view({size, -1});
   int64_t offset = 0;
   for (const ShardedParam* p : params) {
@@ -79,14 +79,14 @@ void AllGatherCopyOut(const at::Tensor& output,
 void ReduceScatterCopyIn(const std::vector<ShardedParam*>& params,
                          const at::Tensor& flat) {
   at::NoGradGuard no_grad;
-  const int64_t size = params.empty() ? 1 : params.front()->spec().shard_size;
+  const int64_t size = params.empty() ? 1 : params.front()->layout_size();
   // Each rank's chunk may be longer than the gradients (a tail the caller
   // fills).
   const at::Tensor chunks = flat.view({size, flat.numel() / size});
   int64_t offset = 0;
   for (const ShardedParam* p : params) {
     at::Tensor dst = chunks.narrow(1, offset, p->shard_numel());
-    const at::Tensor grad = p->unsharded_grad();
+    const at::Tensor grad = p->unsharded_grad_rows();
     const int64_t padded_rows = p->padded_rows_per_rank() * size;
     if (!grad.defined()) {
       dst.zero_();
@@ -118,7 +118,7 @@ std::vector<at::Tensor> SplitReducedChunk(
   pieces.reserve(params.size());
   int64_t offset = 0;
   for (const ShardedParam* p : params) {
-    std::vector<int64_t> shape = p->global_shape();
+    std::vector<int64_t> shape = p->frame_shape();
     shape[0] = p->padded_rows_per_rank();
     pieces.push_back(output.narrow(0, offset, p->shard_numel())
                          .view(shape)

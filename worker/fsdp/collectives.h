@@ -2,10 +2,11 @@
 // copy-in/copy-out of a unit's flat all-gather and reduce-scatter buffers.
 //
 // Flat layout (rank-major, as FSDP2): a unit's flat shard is the concatenation
-// over its parameters of each padded local shard (ceil(rows/S) rows). The
-// all-gather output is S such chunks; parameter j's piece of rank r's chunk is
-// rows [r*ceil, (r+1)*ceil) of its padded unsharded tensor. Stateless
-// functions; thread-compatible.
+// over its parameters of each padded local shard (ceil(rows/S) rows of its row
+// frame, sharded_param.h). The all-gather output is S such chunks; parameter
+// j's piece of rank r's chunk is rows [r*ceil, (r+1)*ceil) of its padded
+// unsharded tensor. Every parameter passed must be sharded over the same S
+// ranks (not replicated). Stateless functions; thread-compatible.
 #ifndef HSDP_WORKER_FSDP_COLLECTIVES_H_
 #define HSDP_WORKER_FSDP_COLLECTIVES_H_
 
@@ -43,7 +44,7 @@ void AllGatherCopyOut(const at::Tensor& output,
 void ReduceScatterCopyIn(const std::vector<ShardedParam*>& params,
                          const at::Tensor& flat);
 // The rows of `output` (one reduced chunk) that belong to each parameter's
-// local shard.
+// local shard, in its row frame.
 std::vector<at::Tensor> SplitReducedChunk(
     const at::Tensor& output, const std::vector<ShardedParam*>& params);
 

@@ -295,6 +295,7 @@ UnitGroup::UnitGroup(EngineCore* core, int index, std::string name,
   for (const auto& p : params_) {
     stats_.sharded_bytes += p->sharded_bytes();
     aliases_shard_ = aliases_shard_ && p->aliases_shard();
+    (p->replicated() ? replicated_ : sharded_).push_back(p.get());
   }
 }
 
@@ -353,6 +354,11 @@ void UnitGroup::Unshard() {
     return;
   }
   core_->CheckOk();
+  FillReplicated();
+  if (sharded_.empty()) {  // replicated parameters only: nothing to gather
+    state_ = State::kUnsharded;
+    return;
+  }
   if (core_->trace != nullptr) ag_issued_ns_ = TraceRecorder::NowNanos();
   if (UseSegments()) {
     IssueAllGatherSegments();
@@ -362,11 +368,11 @@ void UnitGroup::Unshard() {
       at::TensorOptions().dtype(compute_dtype_).device(core_->options.device);
   // In place: this rank's chunk is copied into its slot of the gathered
   // buffer, so a unit needs one flat buffer, not two.
-  const int64_t chunk = FlatChunkNumel(params());
+  const int64_t chunk = FlatChunkNumel(sharded_);
   ag_output_ = core_->buffers.Acquire(chunk * core_->shard_size(), options);
   const at::Tensor own =
       ag_output_.narrow(0, chunk * core_->shard_rank(), chunk);
-  AllGatherCopyIn(params(), own);
+  AllGatherCopyIn(sharded_, own);
   ++stats_.all_gathers;
   if (core_->shard_size() > 1) {
     absl::StatusOr<comm::Buffer> in = ToBuffer(own);
@@ -382,8 +388,22 @@ bool UnitGroup::UseSegments() const {
   return core_->shard_size() > 1 && core_->mesh.shard->SupportsSegments();
 }
 
+void UnitGroup::FillReplicated() {
+  at::NoGradGuard no_grad;
+  for (ShardedParam* p : replicated_) {
+    if (p->aliases_shard()) continue;
+    if (!p->unsharded_allocated()) {
+      p->AllocUnsharded();
+      stats_.unsharded_bytes_alive += p->unsharded_bytes();
+      core_->AddUnshardedBytes(p->unsharded_bytes());
+    }
+    // The whole parameter, cast to the compute dtype on the compute device.
+    p->unsharded_padded().copy_(p->sharded_padded());
+  }
+}
+
 void UnitGroup::IssueAllGatherSegments() {
-  const std::vector<ShardedParam*> ps = params();
+  const std::vector<ShardedParam*>& ps = sharded_;
   // The peers' pieces are received straight into the unsharded storage.
   for (ShardedParam* p : ps) {
     if (!p->unsharded_allocated()) {
@@ -452,7 +472,7 @@ void UnitGroup::WaitForUnshard() {
   stats_.peak_unsharded_bytes =
       std::max(stats_.peak_unsharded_bytes, stats_.unsharded_bytes_alive);
   if (ag_output_.defined()) {  // flat path
-    AllGatherCopyOut(ag_output_, params());
+    AllGatherCopyOut(ag_output_, sharded_);
     core_->SampleTransientBytes();
     core_->buffers.Release(ag_output_);
   }
@@ -576,7 +596,7 @@ void UnitGroup::FinishBackward() {
 
 void UnitGroup::IssueReduction() {
   core_->CheckOk();
-  ++stats_.reduce_scatters;
+  if (!sharded_.empty()) ++stats_.reduce_scatters;
   if (core_->trace != nullptr) rs_issued_ns_ = TraceRecorder::NowNanos();
   if (core_->shard_size() == 1 && core_->replicate_size() == 1) {
     // Nothing to reduce with: the gradients themselves, in reduce_dtype, are
@@ -594,26 +614,36 @@ void UnitGroup::IssueReduction() {
     core_->pending_reductions.push_back(this);
     return;
   }
-  if (UseSegments()) {
-    IssueReduceScatterSegments();
-    return;
+  if (!sharded_.empty()) {
+    if (UseSegments()) {
+      IssueReduceScatterSegments();
+    } else {
+      IssueReduceScatterFlat();
+    }
   }
+  if (!replicated_.empty()) IssueReplicatedAllReduce();
+  rs_all_reduce_ = core_->requires_all_reduce;
+  reduction_pending_ = true;
+  core_->pending_reductions.push_back(this);
+}
+
+void UnitGroup::IssueReduceScatterFlat() {
   const at::TensorOptions options =
       at::TensorOptions().dtype(reduce_dtype_).device(core_->options.device);
   const int64_t chunk = ReductionChunkNumel();
   rs_input_ = core_->buffers.Acquire(chunk * core_->shard_size(), options);
-  ReduceScatterCopyIn(params(), rs_input_);
+  ReduceScatterCopyIn(sharded_, rs_input_);
   {
     // Every rank's chunk carries this rank's flags in its tail.
     at::NoGradGuard no_grad;
-    const int64_t grads = FlatChunkNumel(params());
+    const int64_t grads = FlatChunkNumel(sharded_);
     const at::Tensor flags = rs_input_.view({core_->shard_size(), chunk})
                                  .narrow(1, grads, chunk - grads);
-    FillGradFlags(flags[0]);
+    FillGradFlags(sharded_, flags[0]);
     for (int r = 1; r < core_->shard_size(); ++r) flags[r].copy_(flags[0]);
   }
   core_->SampleTransientBytes();
-  for (ShardedParam* p : params()) p->ClearUnshardedGrad();
+  for (ShardedParam* p : sharded_) p->ClearUnshardedGrad();
   if (core_->shard_size() > 1) {
     // In place: the reduced chunk lands in this rank's slot of the input.
     rs_output_ = rs_input_.narrow(0, chunk * core_->shard_rank(), chunk);
@@ -624,13 +654,45 @@ void UnitGroup::IssueReduction() {
     rs_work_ = core_->mesh.shard->ReduceScatter(*in, *out,
                                                 core_->collective_reduce_op());
   }
-  rs_all_reduce_ = core_->requires_all_reduce;
-  reduction_pending_ = true;
-  core_->pending_reductions.push_back(this);
+}
+
+void UnitGroup::IssueReplicatedAllReduce() {
+  // One flat buffer: every replicated gradient (zeros where this rank has
+  // none), then one flag per parameter, all-reduced over the shard group
+  // now and over the replicate group when the reduction finishes.
+  at::NoGradGuard no_grad;
+  int64_t numel = 0;
+  for (const ShardedParam* p : replicated_) numel += p->numel();
+  const int64_t num_flags = static_cast<int64_t>(replicated_.size());
+  rp_buffer_ = core_->buffers.Acquire(
+      numel + num_flags,
+      at::TensorOptions().dtype(reduce_dtype_).device(core_->options.device));
+  int64_t offset = 0;
+  for (ShardedParam* p : replicated_) {
+    at::Tensor dst = rp_buffer_.narrow(0, offset, p->numel());
+    const at::Tensor g = p->unsharded_grad_rows();
+    if (g.defined()) {
+      dst.copy_(g.reshape({-1}));
+    } else {
+      dst.zero_();
+    }
+    offset += p->numel();
+  }
+  FillGradFlags(replicated_, rp_buffer_.narrow(0, numel, num_flags));
+  core_->SampleTransientBytes();
+  for (ShardedParam* p : replicated_) p->ClearUnshardedGrad();
+  if (core_->shard_size() > 1) {
+    absl::StatusOr<comm::Buffer> buffer = ToBuffer(rp_buffer_);
+    if (!buffer.ok()) core_->Fail(buffer.status());
+    ++stats_.all_reduces;
+    rp_issued_ns_ = core_->trace ? TraceRecorder::NowNanos() : 0;
+    rp_work_ =
+        core_->mesh.shard->AllReduce(*buffer, core_->collective_reduce_op());
+  }
 }
 
 void UnitGroup::IssueReduceScatterSegments() {
-  const std::vector<ShardedParam*> ps = params();
+  const std::vector<ShardedParam*>& ps = sharded_;
   const int size = core_->shard_size();
   const int rank = core_->shard_rank();
   const at::TensorOptions options =
@@ -646,7 +708,7 @@ void UnitGroup::IssueReduceScatterSegments() {
   // The flags go to every rank as one more segment (a copy per rank, since
   // this rank's copy also receives the sum in place).
   rs_flags_ = at::empty({size, num_flags}, options);
-  FillGradFlags(rs_flags_[0]);
+  FillGradFlags(ps, rs_flags_[0]);
   for (int r = 1; r < size; ++r) rs_flags_[r].copy_(rs_flags_[0]);
   const int64_t scratch_count =
       core_->mesh.shard->ReduceScatterScratchCount(chunk);
@@ -660,13 +722,14 @@ void UnitGroup::IssueReduceScatterSegments() {
   int64_t offset = 0;
   for (size_t i = 0; i < ps.size(); ++i) {
     ShardedParam* p = ps[i];
-    at::Tensor g = p->unsharded_grad();
+    at::Tensor g = p->unsharded_grad_rows();
     if (g.defined()) {
-      // In reduce_dtype and contiguous; a no-op in the common case.
+      // In reduce_dtype and contiguous in the row frame; a no-op in the common
+      // case.
       g = g.to(reduce_dtype_).contiguous();
     } else {
       // Every rank contributes to every segment: zeros stand in.
-      g = at::zeros(p->global_shape(), options);
+      g = at::zeros(p->frame_shape(), options);
     }
     rs_grads_.push_back(g);
     absl::StatusOr<comm::Buffer> whole = ToBuffer(g);
@@ -726,9 +789,6 @@ void UnitGroup::IssueReduceScatterSegments() {
   }
   rs_work_ = core_->mesh.shard->ReduceScatterSegments(
       inputs, outputs, scratch, core_->collective_reduce_op());
-  rs_all_reduce_ = core_->requires_all_reduce;
-  reduction_pending_ = true;
-  core_->pending_reductions.push_back(this);
 }
 
 void UnitGroup::FinishReduction() {
@@ -737,13 +797,19 @@ void UnitGroup::FinishReduction() {
   if (!direct_grads_.empty()) {
     for (size_t i = 0; i < params_.size(); ++i) {
       if (direct_grads_[i].defined()) {
-        params_[i]->AccumulateShardedGrad(std::move(direct_grads_[i]),
-                                          /*may_steal=*/true);
+        params_[i]->AccumulateShardedGrad(
+            params_[i]->ToFrame(std::move(direct_grads_[i])),
+            /*may_steal=*/true);
       }
     }
     direct_grads_.clear();
     return;
   }
+  if (!sharded_.empty()) FinishReduceScatter();
+  if (!replicated_.empty()) FinishReplicatedAllReduce();
+}
+
+void UnitGroup::FinishReduceScatter() {
   if (rs_work_) {
     absl::Status s =
         WaitWork(rs_work_, &stats_.reduce_scatter_seconds, "reduce-scatter",
@@ -753,7 +819,7 @@ void UnitGroup::FinishReduction() {
   if (rs_in_place_) {
     // Each gradient's own rows now hold this rank's reduced shard, zeros that
     // stood in for a missing gradient included: another rank may have had one.
-    const std::vector<ShardedParam*> ps = params();
+    const std::vector<ShardedParam*>& ps = sharded_;
     const std::optional<double> scale = core_->reduced_grad_scale();
     for (size_t i = 0; i < ps.size(); ++i) {
       if (!ps[i]->sharded().requires_grad()) continue;
@@ -762,7 +828,7 @@ void UnitGroup::FinishReduction() {
       if (scale.has_value()) rows.mul_(*scale);
       ps[i]->AccumulateShardedGrad(rows);
     }
-    AddReducedFlags(rs_flags_[core_->shard_rank()]);
+    AddReducedFlags(grad_flags_, rs_flags_[core_->shard_rank()]);
   }
   // The segments path is done reading the gradients.
   rs_grads_.clear();
@@ -780,41 +846,85 @@ void UnitGroup::FinishReduction() {
     if (!rs_all_reduce_) {
       // HSDP without all-reduce this microbatch: hold the shard-reduced grads
       // until one with.
-      if (partial_reduce_.defined()) {
-        partial_reduce_.add_(reduced);
-      } else {
-        partial_reduce_ = reduced.clone();
-      }
+      HoldPartial(reduced, partial_reduce_);
       ReleaseReductionBuffers();
       return;
     }
-    if (partial_reduce_.defined()) {
-      reduced.add_(partial_reduce_);
-      partial_reduce_.reset();
-    }
-    absl::StatusOr<comm::Buffer> buffer = ToBuffer(reduced);
-    if (!buffer.ok()) core_->Fail(buffer.status());
-    ++stats_.all_reduces;
-    const int64_t issued = core_->trace ? TraceRecorder::NowNanos() : 0;
-    std::unique_ptr<comm::Work> work = core_->mesh.replicate->AllReduce(
-        *buffer, core_->collective_reduce_op());
-    absl::Status s = WaitWork(work, &stats_.all_reduce_seconds, "all-reduce",
-                              issued, TraceTrack::kReplicateComm);
-    if (!s.ok()) core_->Fail(s);
+    AllReduceReplicas(reduced, partial_reduce_);
   }
   if (const std::optional<double> scale = core_->reduced_grad_scale())
     reduced.mul_(*scale);  // the flags stay positive where they were
   {
-    const std::vector<ShardedParam*> ps = params();
+    const std::vector<ShardedParam*>& ps = sharded_;
     const std::vector<at::Tensor> pieces = SplitReducedChunk(reduced, ps);
     for (size_t i = 0; i < ps.size(); ++i) {
       if (ps[i]->sharded().requires_grad())
         ps[i]->AccumulateShardedGrad(pieces[i]);
     }
     AddReducedFlags(
+        grad_flags_,
         reduced.narrow(0, FlatChunkNumel(ps), static_cast<int64_t>(ps.size())));
   }  // the pieces (views of `reduced`) go before the buffers return
   ReleaseReductionBuffers();
+}
+
+void UnitGroup::HoldPartial(const at::Tensor& reduced, at::Tensor& partial) {
+  at::NoGradGuard no_grad;
+  if (partial.defined()) {
+    partial.add_(reduced);
+  } else {
+    partial = reduced.clone();
+  }
+}
+
+void UnitGroup::AllReduceReplicas(const at::Tensor& reduced,
+                                  at::Tensor& partial) {
+  at::NoGradGuard no_grad;
+  if (partial.defined()) {
+    reduced.add_(partial);
+    partial.reset();
+  }
+  absl::StatusOr<comm::Buffer> buffer = ToBuffer(reduced);
+  if (!buffer.ok()) core_->Fail(buffer.status());
+  ++stats_.all_reduces;
+  const int64_t issued = core_->trace ? TraceRecorder::NowNanos() : 0;
+  std::unique_ptr<comm::Work> work =
+      core_->mesh.replicate->AllReduce(*buffer, core_->collective_reduce_op());
+  absl::Status s = WaitWork(work, &stats_.all_reduce_seconds, "all-reduce",
+                            issued, TraceTrack::kReplicateComm);
+  if (!s.ok()) core_->Fail(s);
+}
+
+void UnitGroup::FinishReplicatedAllReduce() {
+  if (rp_work_) {
+    absl::Status s =
+        WaitWork(rp_work_, &stats_.all_reduce_seconds, "all-reduce",
+                 rp_issued_ns_, TraceTrack::kShardComm);
+    if (!s.ok()) core_->Fail(s);
+  }
+  at::NoGradGuard no_grad;
+  if (core_->replicate_size() > 1) {
+    if (!rs_all_reduce_) {
+      HoldPartial(rp_buffer_, rp_partial_);
+      core_->buffers.Release(rp_buffer_);
+      return;
+    }
+    AllReduceReplicas(rp_buffer_, rp_partial_);
+  }
+  if (const std::optional<double> scale = core_->reduced_grad_scale())
+    rp_buffer_.mul_(*scale);
+  int64_t offset = 0;
+  for (ShardedParam* p : replicated_) {
+    if (p->sharded().requires_grad()) {
+      p->AccumulateShardedGrad(
+          rp_buffer_.narrow(0, offset, p->numel()).view(p->frame_shape()));
+    }
+    offset += p->numel();
+  }
+  AddReducedFlags(
+      replicated_flags_,
+      rp_buffer_.narrow(0, offset, static_cast<int64_t>(replicated_.size())));
+  core_->buffers.Release(rp_buffer_);
 }
 
 void UnitGroup::ReleaseReductionBuffers() {
@@ -829,37 +939,44 @@ void UnitGroup::ReleaseReductionBuffers() {
 }
 
 int64_t UnitGroup::ReductionChunkNumel() const {
-  return FlatChunkNumel(params()) + static_cast<int64_t>(params_.size());
+  return FlatChunkNumel(sharded_) + static_cast<int64_t>(sharded_.size());
 }
 
-void UnitGroup::FillGradFlags(const at::Tensor& flags) const {
+void UnitGroup::FillGradFlags(const std::vector<ShardedParam*>& params,
+                              const at::Tensor& flags) {
   at::NoGradGuard no_grad;
   // One host-to-device copy rather than one fill per parameter.
-  std::vector<float> local(params_.size());
-  for (size_t i = 0; i < params_.size(); ++i)
-    local[i] = params_[i]->unsharded_grad().defined() ? 1.0f : 0.0f;
+  std::vector<float> local(params.size());
+  for (size_t i = 0; i < params.size(); ++i)
+    local[i] = params[i]->unsharded_grad().defined() ? 1.0f : 0.0f;
   flags.copy_(at::from_blob(local.data(), {static_cast<int64_t>(local.size())},
                             at::TensorOptions().dtype(at::kFloat)));
 }
 
-void UnitGroup::AddReducedFlags(const at::Tensor& flags) {
+void UnitGroup::AddReducedFlags(at::Tensor& sum, const at::Tensor& flags) {
   at::NoGradGuard no_grad;
-  if (grad_flags_.defined()) {
-    grad_flags_.add_(flags);
+  if (sum.defined()) {
+    sum.add_(flags);
   } else {
-    grad_flags_ = flags.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
+    sum = flags.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
   }
 }
 
 void UnitGroup::ResolveUnusedGrads() {
-  if (!grad_flags_.defined()) return;
+  ResolveUnusedGrads(sharded_, grad_flags_);
+  ResolveUnusedGrads(replicated_, replicated_flags_);
+}
+
+void UnitGroup::ResolveUnusedGrads(const std::vector<ShardedParam*>& params,
+                                   at::Tensor& sum) {
+  if (!sum.defined()) return;
   // One read per unit and step, after every reduction of the step finished.
-  const at::Tensor flags = grad_flags_.to(c10::kCPU).contiguous();
-  grad_flags_.reset();
+  const at::Tensor flags = sum.to(c10::kCPU).contiguous();
+  sum.reset();
   const float* any = flags.data_ptr<float>();
-  for (size_t i = 0; i < params_.size(); ++i) {
+  for (size_t i = 0; i < params.size(); ++i) {
     if (any[i] > 0) continue;
-    at::Tensor& grad = params_[i]->sharded().mutable_grad();
+    at::Tensor& grad = params[i]->sharded().mutable_grad();
     if (grad.defined()) grad.reset();
   }
 }
@@ -869,6 +986,10 @@ void UnitGroup::DiscardStep() {
   // collective reads or writes the buffers freed below any more.
   ag_work_.reset();
   rs_work_.reset();
+  rp_work_.reset();
+  core_->buffers.Release(rp_buffer_);
+  rp_partial_.reset();
+  replicated_flags_.reset();
   core_->buffers.Release(ag_output_);
   core_->buffers.Release(ag_input_);
   ReleaseReductionBuffers();
@@ -908,8 +1029,11 @@ int64_t UnitGroup::FlatBufferBytes() const {
   const int64_t chunk = ReductionChunkNumel();
   const int64_t elem = static_cast<int64_t>(std::max(
       c10::elementSize(compute_dtype_), c10::elementSize(reduce_dtype_)));
-  // One gathered / to-be-reduced buffer of S chunks (collectives in place).
-  return core_->shard_size() * chunk * elem;
+  int64_t replicated = 0;
+  for (const ShardedParam* p : replicated_) replicated += p->numel() + 1;
+  // One gathered / to-be-reduced buffer of S chunks (collectives in place),
+  // and the replicated parameters' gradients with their flags.
+  return (core_->shard_size() * chunk + replicated) * elem;
 }
 
 UnitInfo UnitGroup::Info() const {
@@ -923,7 +1047,13 @@ UnitInfo UnitGroup::Info() const {
                                          .dtype(p->sharded().scalar_type())
                                          .device(c10::kMeta)));
   }
-  return DescribeUnit(name_, params, core_->options, core_->shard_size());
+  std::map<std::string, ParamPlacement> placements;
+  for (const auto& p : params_) placements[p->fqn()] = p->spec().placement;
+  return DescribeUnit(
+      name_, params, core_->options, core_->shard_size(),
+      [&placements](const std::string& fqn, const at::Tensor&) {
+        return std::optional<ParamPlacement>(placements.at(fqn));
+      });
 }
 
 UnitStats UnitGroup::Stats() const {

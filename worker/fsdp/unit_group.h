@@ -4,7 +4,11 @@
 // A unit moves through kSharded → kGathering (all-gather issued) → kUnsharded
 // and back to kSharded on reshard. Per unit there is one fused all-gather and
 // one fused reduce-scatter of the gradients in reduce_dtype; in HSDP the
-// reduced shard is then all-reduced across the replicate group.
+// reduced shard is then all-reduced across the replicate group. Replicated
+// parameters (placement.h) take no part in either: they are copied (cast)
+// into their unsharded tensors when the unit is gathered, and their
+// gradients go out as one fused all-reduce over the shard group, then over
+// the replicate group, issued right after the reduce-scatter.
 //
 // Two ways to move a unit's bytes, chosen per communicator:
 //  - segments (CPU: Gloo TCP, shared memory): the all-gather sends each local
@@ -230,6 +234,7 @@ class UnitGroup {
   int index() const { return index_; }
   const std::string& name() const { return name_; }
   void set_index(int index) { index_ = index; }
+  // Every parameter, in registration order (Parameters() order).
   std::vector<ShardedParam*> params() const;
   bool is_unsharded() const { return state_ == State::kUnsharded; }
   bool is_gathering() const { return state_ == State::kGathering; }
@@ -299,16 +304,35 @@ class UnitGroup {
   // The segments path applies (see the file comment).
   bool UseSegments() const;
   void IssueAllGatherSegments();
+  // Copies the replicated parameters into their unsharded tensors (where they
+  // do not alias their shards).
+  void FillReplicated();
   void IssueReduction();
+  void IssueReduceScatterFlat();
   void IssueReduceScatterSegments();
+  void IssueReplicatedAllReduce();
+  // FinishReduction's parts: the sharded parameters' reduce-scatter (and
+  // replicate all-reduce), the replicated parameters' all-reduces.
+  void FinishReduceScatter();
+  void FinishReplicatedAllReduce();
+  // HSDP, a microbatch without the replicate all-reduce: adds `reduced` into
+  // `partial` until one with.
+  static void HoldPartial(const at::Tensor& reduced, at::Tensor& partial);
+  // The replicate group's all-reduce of `reduced` (with `partial` added
+  // first, and dropped), waited.
+  void AllReduceReplicas(const at::Tensor& reduced, at::Tensor& partial);
   void ReleaseReductionBuffers();
-  // Elements of one rank's chunk of a reduction: the gradients' flat chunk,
-  // then one flag per parameter.
+  // Elements of one rank's chunk of a reduction: the sharded gradients' flat
+  // chunk, then one flag per sharded parameter.
   int64_t ReductionChunkNumel() const;
-  // Writes this rank's flags into `flags` (one element per parameter).
-  void FillGradFlags(const at::Tensor& flags) const;
-  // Adds one reduction's reduced flags to grad_flags_.
-  void AddReducedFlags(const at::Tensor& flags);
+  // Writes this rank's flags for `params` into `flags` (one element each).
+  static void FillGradFlags(const std::vector<ShardedParam*>& params,
+                            const at::Tensor& flags);
+  // Adds one reduction's reduced flags to `sum`.
+  static void AddReducedFlags(at::Tensor& sum, const at::Tensor& flags);
+  // ResolveUnusedGrads for `params` with their summed flags (reset after).
+  static void ResolveUnusedGrads(const std::vector<ShardedParam*>& params,
+                                 at::Tensor& sum);
   // Waits `work` (a collective of this unit issued at `issued_ns`), adds its
   // time to `seconds` and, when tracing, records the wait on the compute
   // track and the collective on `track`.
@@ -324,6 +348,9 @@ class UnitGroup {
   // UnitOptions::unshard_in_backward.
   bool unshard_in_backward_;
   std::vector<std::unique_ptr<ShardedParam>> params_;
+  // params_ split by placement: sharded over the shard group, or replicated.
+  std::vector<ShardedParam*> sharded_;
+  std::vector<ShardedParam*> replicated_;
   State state_ = State::kSharded;
   c10::ScalarType compute_dtype_;
   c10::ScalarType reduce_dtype_;
@@ -362,6 +389,13 @@ class UnitGroup {
   // parameter): positive where some rank had a gradient. ResolveUnusedGrads
   // reads them once the step's last backward is over.
   at::Tensor grad_flags_;
+  // Replicated parameters' reduction: their gradients and flags in one flat
+  // buffer (from the pool), its shard-group all-reduce, the sum held over
+  // microbatches without the replicate all-reduce, and the summed flags.
+  at::Tensor rp_buffer_;
+  std::unique_ptr<comm::Work> rp_work_;
+  at::Tensor rp_partial_;
+  at::Tensor replicated_flags_;
   // One shard, one replica: the gradients handed over without a collective.
   std::vector<at::Tensor> direct_grads_;
   // Every parameter aliases its shard: nothing to gather or free.
@@ -374,6 +408,7 @@ class UnitGroup {
   int64_t backward_begin_ns_ = 0;
   int64_t ag_issued_ns_ = 0;
   int64_t rs_issued_ns_ = 0;
+  int64_t rp_issued_ns_ = 0;
 };
 
 }  // namespace hsdp::fsdp

@@ -24,6 +24,16 @@
 
 namespace hsdp::train {
 
+// What a checkpoint's parameter tensors are taken for.
+enum class CheckpointUse { kSave, kLoad };
+
+// The engine's parameter shards (fsdp::ShardLayouts: the optimizer's own
+// leaves, no copy) as checkpoint tensors. To save, a replicated parameter is
+// taken from the first rank of the shard group only, so the checkpoint holds
+// each row once; to load, every rank reads it whole.
+std::vector<ckpt::LocalTensor> ParamTensors(const fsdp::Engine& engine,
+                                            CheckpointUse use);
+
 struct CheckpointingOptions {
   std::string root;  // empty: no checkpoints
   bool async = true;
