@@ -12,6 +12,7 @@
 #include "common/mesh.h"
 #include "hsdp/v1/common.pb.h"
 #include "hsdp/v1/schedule.pb.h"
+#include "worker/fsdp/engine_core.h"
 #include "worker/fsdp/hooks.h"
 #include "worker/fsdp/unit_group.h"
 
@@ -77,7 +78,7 @@ absl::StatusOr<UnshardHandle> UnitHandle::Unshard(bool async_op) {
   if (!core.finalized) {
     return absl::FailedPreconditionError("Unshard before FullyShardRoot");
   }
-  if (core.callback_queued) {
+  if (core.pass.callback_queued) {
     return absl::FailedPreconditionError(
         absl::StrCat("Unshard of unit ", group_->name(), " during backward"));
   }
@@ -91,7 +92,7 @@ absl::StatusOr<UnshardHandle> UnitHandle::Unshard(bool async_op) {
 
 absl::Status UnitHandle::Reshard() {
   EngineCore& core = group_->core();
-  if (core.callback_queued) {
+  if (core.pass.callback_queued) {
     return absl::FailedPreconditionError(
         absl::StrCat("Reshard of unit ", group_->name(), " during backward"));
   }
@@ -360,7 +361,7 @@ absl::Status Engine::Apply(const hsdp::v1::StepSchedule& schedule,
     return absl::InvalidArgumentError(absl::StrCat(
         "microbatch ", microbatch, " out of range (", num_mb, " in schedule)"));
   }
-  if (core_->callback_queued) {
+  if (core_->pass.callback_queued) {
     return absl::FailedPreconditionError("Apply during backward");
   }
   absl::Status s = CatchTorch(*core_, [&] {
@@ -436,7 +437,7 @@ std::vector<std::pair<std::string, at::Tensor>> Engine::NamedParameters()
 absl::Status Engine::status() const { return core_->status; }
 
 std::pair<std::string, std::string> Engine::ForwardPosition() const {
-  const int last = core_->max_entered;
+  const int last = core_->pass.max_entered;
   const int n = static_cast<int>(core_->units.size());
   return {last >= 0 && last < n ? core_->units[last]->name() : "",
           last + 1 < n ? core_->units[last + 1]->name() : ""};
@@ -465,7 +466,7 @@ void Engine::SetTraceRecorder(TraceRecorder* recorder) {
 
 at::Tensor Recompute(Engine& engine, const TensorFn& fn,
                      const at::Tensor& input) {
-  return CheckpointApply(&CoreOf(engine), fn, input);
+  return RecomputeApply(&CoreOf(engine), fn, input);
 }
 
 EngineCore& CoreOf(Engine& engine) { return *engine.core_; }

@@ -121,9 +121,11 @@ absl::StatusOr<std::map<std::string, at::Tensor>> FullStateDict(
       if (keep) {
         std::vector<int64_t> shape = p->frame_shape();
         shape[0] = p->padded_rows_per_rank() * size;
+        // A copy: with one rank (or a replicated parameter) `gathered` is
+        // the shard itself.
         out[p->fqn()] =
             p->FromFrame(gathered.view(shape).narrow(0, 0, p->rows()))
-                .contiguous();
+                .clone(at::MemoryFormat::Contiguous);
       }
     }
     if (keep) {

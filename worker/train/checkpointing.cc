@@ -49,8 +49,7 @@ Checkpointing::Checkpointing(CheckpointingOptions options,
 }
 
 absl::StatusOr<int64_t> Checkpointing::Resume(
-    fsdp::Engine& engine, const torch::nn::Module& model,
-    torch::optim::Optimizer& optimizer) {
+    fsdp::Engine& engine, torch::optim::Optimizer& optimizer) {
   const int rank = mesh_.rank();
   if (!enabled()) {
     LOG(INFO) << "rank " << rank << " started fresh: --checkpoint-dir not set";
@@ -117,7 +116,6 @@ absl::StatusOr<int64_t> Checkpointing::Resume(
 }
 
 absl::Status Checkpointing::Save(int64_t step, fsdp::Engine& engine,
-                                 const torch::nn::Module& model,
                                  torch::optim::Optimizer& optimizer,
                                  int64_t policy_version,
                                  int64_t global_batch_samples) {

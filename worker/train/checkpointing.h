@@ -58,14 +58,12 @@ class Checkpointing {
   // collective: every rank calls it and they agree on the step; a bad
   // checkpoint is an error on every rank, never skipped in silence.
   absl::StatusOr<int64_t> Resume(fsdp::Engine& engine,
-                                 const torch::nn::Module& model,
                                  torch::optim::Optimizer& optimizer);
 
   // Saves `step` (a collective: every rank calls it). Returns once the shards
   // are copied to host memory when async; an earlier background save's error
   // surfaces here.
   absl::Status Save(int64_t step, fsdp::Engine& engine,
-                    const torch::nn::Module& model,
                     torch::optim::Optimizer& optimizer, int64_t policy_version,
                     int64_t global_batch_samples);
 

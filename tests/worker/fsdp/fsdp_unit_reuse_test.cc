@@ -25,14 +25,14 @@ constexpr double kTolerance = 2e-6;
 // Block 0 three times, then block 1.
 const std::vector<int> kOrder = {0, 0, 0, 1};
 
-struct Run {
+struct ReuseRun {
   std::vector<StateDict> grads;  // per step, full gradients (rank 0)
   StateDict params;
   EngineStats stats;  // rank 0, the last step
 };
 
-Run Reference(const StateDict& init) {
-  Run run;
+ReuseRun Reference(const StateDict& init) {
+  ReuseRun run;
   PlacedModel model = MakePlacedModel(init);
   torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(kLr));
   for (int step = 0; step < kSteps; ++step) {
@@ -41,8 +41,13 @@ Run Reference(const StateDict& init) {
     for (int b : kOrder) h = model->blocks->ptr<PlacedBlockImpl>(b)->forward(h);
     PlacedLoss(model->head(h), y).backward();
     StateDict grads;
-    for (const auto& item : model->named_parameters())
-      grads[item.key()] = item.value().grad().detach().clone();
+    // A step without a rare sample leaves the rare parameters without a
+    // gradient: zeros here, as in the sharded run's gather below.
+    for (const auto& item : model->named_parameters()) {
+      const at::Tensor& g = item.value().grad();
+      grads[item.key()] =
+          g.defined() ? g.detach().clone() : torch::zeros_like(item.value());
+    }
     run.grads.push_back(grads);
     sgd.step();
     sgd.zero_grad();
@@ -52,8 +57,9 @@ Run Reference(const StateDict& init) {
   return run;
 }
 
-Run Sharded(const StateDict& init, bool reshard_after_forward, bool recompute) {
-  Run run;
+ReuseRun Sharded(const StateDict& init, bool reshard_after_forward,
+                 bool recompute) {
+  ReuseRun run;
   std::mutex mu;
   RunOnMesh({1, 2}, [&](RankContext& ctx) {
     PlacedModel model = MakePlacedModel(init);
@@ -68,6 +74,9 @@ Run Sharded(const StateDict& init, bool reshard_after_forward, bool recompute) {
       engine->ResetStats();
       ASSERT_TRUE(engine->Apply(schedule, 0).ok());
       auto [x, y] = PlacedBatch(step, ctx.rank * local, local);
+      // Recompute reruns a call in backward only where its input requires
+      // grad (fully_shard.h), the first block's input included.
+      if (recompute) x.requires_grad_(true);
       at::Tensor loss = engine->Root().Forward(x, [&](const at::Tensor& in) {
         at::Tensor h = in;
         for (int b : kOrder) {
@@ -93,7 +102,11 @@ Run Sharded(const StateDict& init, bool reshard_after_forward, bool recompute) {
       for (const at::Tensor& p : engine->Parameters()) {
         saved.push_back(p.detach().clone());
         torch::NoGradGuard no_grad;
-        p.copy_(p.grad());
+        if (p.grad().defined()) {
+          p.copy_(p.grad());
+        } else {
+          p.zero_();
+        }
       }
       absl::StatusOr<StateDict> full = FullStateDict(*engine);
       ASSERT_TRUE(full.ok()) << full.status();
@@ -126,8 +139,8 @@ TEST_P(UnitReuseTest, GradientsSumOverCallsAndReduceOnce) {
   at::set_num_threads(1);
   const ReuseCase c = GetParam();
   const StateDict init = PlacedInit();
-  const Run want = Reference(init);
-  const Run got = Sharded(init, c.reshard_after_forward, c.recompute);
+  const ReuseRun want = Reference(init);
+  const ReuseRun got = Sharded(init, c.reshard_after_forward, c.recompute);
   ASSERT_EQ(got.grads.size(), want.grads.size());
   for (int step = 0; step < kSteps; ++step) {
     SCOPED_TRACE(absl::StrCat("step ", step));
