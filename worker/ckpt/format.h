@@ -48,11 +48,11 @@ struct TensorEntry {
   std::string name;            // parameter FQN, or optimizer/<state>/<FQN>
   std::string dtype;           // "float32", "bfloat16", ... (DtypeSize)
   std::vector<int64_t> shape;  // global shape
+  std::vector<Chunk> chunks;   // sorted by row_begin
   // Rows are the slices along this dim, stored in the row frame (FrameShape):
   // the tensor with shard_dim moved first, row-major. 0 (dim 0, the tensor's
   // own layout) unless the parameter was sharded on another dim.
   int64_t shard_dim = 0;
-  std::vector<Chunk> chunks;  // sorted by row_begin
 };
 
 struct FileEntry {

@@ -270,8 +270,9 @@ TEST_P(ShardedGradientsTest, ReachTheShardsAndEqualTheUnshardedOnes) {
 INSTANTIATE_TEST_SUITE_P(
     Units, ShardedGradientsTest,
     ::testing::Values(
-        ShardingCase{false, "layers.*", 36}, ShardingCase{true, "layers.*", 36},
-        ShardingCase{false, "layers.0,layers.1,layers.2", 36},
+        ShardingCase{false, "layers.*", 36, "", 0},
+        ShardingCase{true, "layers.*", 36, "", 0},
+        ShardingCase{false, "layers.0,layers.1,layers.2", 36, "", 0},
         // Norms whole on every rank (4 per block), two weights on dim 1.
         ShardingCase{false, "layers.*", 36,
                      "layers.*.ln1.*=replicated,layers.*.ln2.*=replicated,"
