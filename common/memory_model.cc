@@ -142,9 +142,14 @@ MemoryModel::MemoryModel(const UnitList& units, Options options)
   options_.shard_size = std::max(1, options_.shard_size);
   options_.replicate_size = std::max(1, options_.replicate_size);
   for (const hsdp::v1::UnitInfo& u : units) {
-    unit_bytes_.push_back(u.param_bytes());
-    sharded_bytes_.push_back(
-        ShardedBytes(u.param_bytes(), options_.shard_size));
+    // Replicated parameters are held whole and never gathered: steady bytes,
+    // not transient ones.
+    const int64_t replicated =
+        std::clamp<int64_t>(u.replicated_bytes(), 0, u.param_bytes());
+    const int64_t gathered = u.param_bytes() - replicated;
+    unit_bytes_.push_back(gathered);
+    sharded_bytes_.push_back(ShardedBytes(gathered, options_.shard_size) +
+                             replicated);
   }
 }
 

@@ -68,7 +68,7 @@ class MemoryModel {
   };
 
   // `units` as workers report them: index 0 is the root; param_bytes are the
-  // unsharded bytes.
+  // unsharded bytes, replicated_bytes of them held whole on every rank.
   MemoryModel(const UnitList& units, Options options);
 
   // Shards, optimizer state and sharded gradients: held all step long.

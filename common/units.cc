@@ -7,13 +7,19 @@ namespace hsdp {
 namespace {
 
 std::string DescribeUnit(const hsdp::v1::UnitInfo& unit) {
-  return absl::StrCat(unit.name(), " (params ", unit.param_count(), ", bytes ",
-                      unit.param_bytes(), ")");
+  return absl::StrCat(
+      unit.name(), " (params ", unit.param_count(), ", bytes ",
+      unit.param_bytes(),
+      unit.replicated_bytes() == 0
+          ? ""
+          : absl::StrCat(", replicated bytes ", unit.replicated_bytes()),
+      ")");
 }
 
 bool SameUnit(const hsdp::v1::UnitInfo& a, const hsdp::v1::UnitInfo& b) {
   return a.name() == b.name() && a.param_count() == b.param_count() &&
-         a.param_bytes() == b.param_bytes();
+         a.param_bytes() == b.param_bytes() &&
+         a.replicated_bytes() == b.replicated_bytes();
 }
 
 }  // namespace
@@ -48,6 +54,12 @@ absl::Status ValidateUnitList(const UnitList& units) {
     if (unit.param_count() < 0 || unit.param_bytes() < 0) {
       return absl::InvalidArgumentError(
           absl::StrCat("unit ", i, ": negative size in ", DescribeUnit(unit)));
+    }
+    if (unit.replicated_bytes() < 0 ||
+        unit.replicated_bytes() > unit.param_bytes()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("unit ", i, ": replicated_bytes outside [0, ",
+                       "param_bytes] in ", DescribeUnit(unit)));
     }
   }
   return absl::OkStatus();

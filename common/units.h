@@ -25,7 +25,8 @@ std::vector<std::string> UnitNames(const UnitList& units);
 // offending unit otherwise.
 absl::Status ValidateUnitList(const UnitList& units);
 
-// OK when `got` equals `want` (names, param_count, param_bytes, same length).
+// OK when `got` equals `want` (names, param_count, param_bytes,
+// replicated_bytes, same length).
 // Otherwise FAILED_PRECONDITION naming the first differing unit, e.g. "unit 2
 // differs: got layers.1 (params 10, bytes 40), the job has layers.1 (params 12,
 // bytes 48)" or "unit count differs: got 3 units, the job has 5 (first missing:

@@ -8,6 +8,7 @@
 #include <map>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "worker/train/task_util.h"
@@ -108,6 +109,20 @@ absl::Status MoeTask::Build(const hsdp::train::BuildContext& context) {
       "head", torch::nn::Linear(config_.dim, config_.vocab));
   hsdp::train::InitParameters(*model_, context.seed);
   return absl::OkStatus();
+}
+
+std::optional<hsdp::fsdp::ParamPlacement> MoeTask::Placement(
+    const std::string& fqn, const at::Tensor& /*param*/) const {
+  hsdp::fsdp::ParamPlacement placement;
+  if (absl::EndsWith(fqn, ".bias")) {
+    placement.replicated = true;
+    return placement;
+  }
+  if (absl::EndsWith(fqn, "router.weight")) {
+    placement.shard_dim = 1;
+    return placement;
+  }
+  return std::nullopt;
 }
 
 absl::StatusOr<hsdp::train::UnitSpec> MoeTask::BuildUnit(int index) {

@@ -10,6 +10,12 @@
 // case hsdp reduces with zeros standing in (every rank runs the same
 // collectives; see task.h, "Parameters without a gradient").
 //
+// Placement (Task::Placement): a router's weight is [1, dim], so sharded on
+// dim 0 every rank but one would hold padding only; it is sharded on dim 1.
+// Biases, a few floats each, are kept whole on every rank and their gradients
+// all-reduced; an empty expert's biases are parameters without a gradient on
+// that rank too.
+//
 // The data is synthetic: sample `index` of step `step` is a pure function of
 // (seed, step, index), a token sequence that repeats one of a few patterns
 // fixed by the seed, so the model can learn it.
@@ -27,6 +33,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -71,6 +78,8 @@ class MoeTask : public hsdp::train::Task {
       const hsdp::train::TaskArgs& args);
 
   std::string Name() const override { return kModelName; }
+  // 2: the placement above (the reductions' order, so the last bits).
+  int Version() const override { return 2; }
   absl::Status Build(const hsdp::train::BuildContext& context) override;
   std::shared_ptr<torch::nn::Module> Model() override { return model_; }
   int NumUnits() const override { return static_cast<int>(config_.layers); }
@@ -79,6 +88,8 @@ class MoeTask : public hsdp::train::Task {
       const hsdp::train::BatchRequest& request) override;
   absl::StatusOr<at::Tensor> Loss(const hsdp::train::Batch& batch) override;
   int64_t TokensPerSample() const override { return config_.seq_len; }
+  std::optional<hsdp::fsdp::ParamPlacement> Placement(
+      const std::string& fqn, const at::Tensor& param) const override;
 
   const MoeConfig& config() const { return config_; }
 

@@ -65,6 +65,23 @@ TEST(MemoryModelTest, SteadyIsShardsOptimizerAndShardedGrads) {
   EXPECT_EQ(steady.Total(), 1400);
 }
 
+// Replicated parameters are whole on every rank, with their optimizer state
+// and gradients, and never gathered: 40 of layers.0's 100 bytes make its
+// shard 30 + 40 on S = 2, and its gather 60.
+TEST(MemoryModelTest, ReplicatedBytesAreHeldWhole) {
+  UnitList units = Units();
+  units[1].set_replicated_bytes(40);
+  const MemoryModel model(units, Mesh(2));
+  const MemoryBreakdown steady = model.Steady();
+  EXPECT_EQ(steady.shards, 350 - 50 + 70);
+  EXPECT_EQ(steady.optimizer_state, 2 * steady.shards);
+  EXPECT_EQ(steady.sharded_grads, steady.shards);
+  // Every gathered byte is 40 fewer at the default schedule's peak
+  // (layers.1 and layers.0 unsharded, layers.0 not among the gradients yet).
+  const MemoryBreakdown peak = model.PredictPeak(DefaultSchedule(), 0);
+  EXPECT_EQ(peak.unsharded_params, 600 - 40);
+}
+
 // The peak is at layers.1's pre-backward: the root (unsharded all step),
 // layers.1 and its prefetched layers.0 unsharded (600); the gradients of the
 // root (alive through backward), layers.2 (its reduce-scatter in flight,

@@ -46,5 +46,23 @@ TEST(UnitsTest, CompareNamesFirstDifference) {
   EXPECT_EQ(UnitNames(job)[2], "layers.1");
 }
 
+// A worker whose placement replicates other parameters than the job's holds
+// other bytes per rank: a different model as far as the job is concerned.
+TEST(UnitsTest, ReplicatedBytesAreChecked) {
+  const UnitList job = {Unit("root", 10), Unit("layers.0", 5)};
+  UnitList other = job;
+  other[1].set_replicated_bytes(8);
+  EXPECT_TRUE(ValidateUnitList(other).ok());
+  absl::Status s = CompareUnitLists(other, job);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(s.message(),
+            "unit 1 differs: got layers.0 (params 5, bytes 20, replicated "
+            "bytes 8), the job has layers.0 (params 5, bytes 20)");
+  other[1].set_replicated_bytes(21);
+  s = ValidateUnitList(other);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("replicated_bytes"), std::string::npos) << s;
+}
+
 }  // namespace
 }  // namespace hsdp

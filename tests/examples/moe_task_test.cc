@@ -16,6 +16,7 @@
 #include "gtest/gtest.h"
 #include "tests/worker/train/task_cluster.h"
 #include "worker/train/runner.h"
+#include "worker/train/task_sharding.h"
 #include "worker/train/training_options.h"
 
 namespace moe {
@@ -107,6 +108,27 @@ TEST(MoeTaskTest, SomeExpertsAreEmptyOnSomeRanksOnly) {
     }
   }
   EXPECT_GT(partly_used, kSteps);
+}
+
+// The placement reaches the units: each layer's biases (the router's one and
+// every expert's hidden + dim) are held whole on every rank.
+TEST(MoeTaskTest, BiasesAreReplicatedAndTheRouterShardedOnDim1) {
+  std::unique_ptr<hsdp::train::Task> task = MakeTask();
+  ASSERT_TRUE(task->Build(hsdp::train::BuildContext{c10::kCPU, kSeed}).ok());
+  const MoeConfig config;
+  absl::StatusOr<std::vector<hsdp::fsdp::UnitInfo>> units =
+      hsdp::train::DescribeTaskUnits(*task, hsdp::fsdp::EngineOptions());
+  ASSERT_TRUE(units.ok()) << units.status();
+  ASSERT_EQ(units->size(), static_cast<size_t>(config.layers + 1));
+  const int64_t layer_biases =
+      1 + config.experts * (config.hidden + config.dim);
+  EXPECT_EQ((*units)[1].replicated_bytes, layer_biases * 4);
+  EXPECT_EQ((*units)[0].replicated_bytes, config.vocab * 4);  // head.bias
+  const at::Tensor router = torch::empty({1, config.dim});
+  const std::optional<hsdp::fsdp::ParamPlacement> placement =
+      task->Placement("layers_0.router.weight", router);
+  ASSERT_TRUE(placement.has_value());
+  EXPECT_EQ(placement->shard_dim, 1);
 }
 
 std::string CaseName(const MeshCase& c) {

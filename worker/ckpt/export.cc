@@ -33,7 +33,7 @@ absl::StatusOr<at::Tensor> ReadFullTensor(const std::string& step_dir,
   absl::StatusOr<c10::ScalarType> type = ScalarTypeOf(tensor.dtype);
   if (!type.ok()) return type.status();
   LocalTensor full{tensor.name, at::empty(tensor.shape, at::dtype(*type)),
-                   tensor.shape, 0};
+                   tensor.shape, 0, tensor.shard_dim};
   RowReader reader(step_dir, metadata);
   absl::Status s = reader.Read(full);
   if (!s.ok()) return s;

@@ -31,10 +31,12 @@ json ChunkToJson(const Chunk& c) {
 json TensorToJson(const TensorEntry& t) {
   json chunks = json::array();
   for (const Chunk& c : t.chunks) chunks.push_back(ChunkToJson(c));
-  return json{{"name", t.name},
-              {"dtype", t.dtype},
-              {"shape", t.shape},
-              {"chunks", chunks}};
+  json j{{"name", t.name},
+         {"dtype", t.dtype},
+         {"shape", t.shape},
+         {"chunks", chunks}};
+  if (t.shard_dim != 0) j["shard_dim"] = t.shard_dim;
+  return j;
 }
 
 // The integer type at the leaves of a field's C++ type (int64_t for
@@ -122,6 +124,9 @@ class Reader {
     const std::string where = absl::StrCat("tensor ", e.name, ": ");
     if (s.ok()) s = Get(t, "dtype", &e.dtype, where);
     if (s.ok()) s = Get(t, "shape", &e.shape, where);
+    if (s.ok() && t.contains("shard_dim")) {
+      s = Get(t, "shard_dim", &e.shard_dim, where);
+    }
     json chunks;
     if (s.ok()) s = Get(t, "chunks", &chunks, where);
     if (!s.ok()) return s;
@@ -198,10 +203,33 @@ int64_t DtypeSize(const std::string& dtype) {
   return it == kSizes->end() ? 0 : it->second;
 }
 
-int64_t RowNumel(const std::vector<int64_t>& shape) {
+std::vector<int64_t> FrameShape(const std::vector<int64_t>& shape,
+                                int64_t shard_dim) {
+  if (shape.empty()) return {1};
+  std::vector<int64_t> frame = shape;
+  if (shard_dim > 0 && shard_dim < static_cast<int64_t>(shape.size())) {
+    frame.erase(frame.begin() + shard_dim);
+    frame.insert(frame.begin(), shape[shard_dim]);
+  }
+  return frame;
+}
+
+int64_t RowCount(const std::vector<int64_t>& shape, int64_t shard_dim) {
+  return FrameShape(shape, shard_dim)[0];
+}
+
+int64_t RowNumel(const std::vector<int64_t>& shape, int64_t shard_dim) {
+  const std::vector<int64_t> frame = FrameShape(shape, shard_dim);
   int64_t n = 1;
-  for (size_t i = 1; i < shape.size(); ++i) n *= shape[i];
+  for (size_t i = 1; i < frame.size(); ++i) n *= frame[i];
   return n;
+}
+
+int RequiredFormatVersion(const std::vector<TensorEntry>& tensors) {
+  for (const TensorEntry& t : tensors) {
+    if (t.shard_dim != 0 || t.shape.empty()) return 2;
+  }
+  return kMinFormatVersion;
 }
 
 int64_t BlockRows(int64_t row_bytes) {
@@ -247,10 +275,12 @@ absl::StatusOr<Metadata> MetadataFromJson(const std::string& text,
   }
   if (s.ok()) s = r.Get(j, "format_version", &m.format_version);
   if (!s.ok()) return s;
-  if (m.format_version != kFormatVersion) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        path, ": format_version ", m.format_version,
-        " is unknown (this build reads version ", kFormatVersion, ")"));
+  if (m.format_version < kMinFormatVersion ||
+      m.format_version > kFormatVersion) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(path, ": format_version ", m.format_version,
+                     " is unknown (this build reads versions ",
+                     kMinFormatVersion, " to ", kFormatVersion, ")"));
   }
   json data, model, mesh, optimizer, files, tensors;
   for (absl::Status fs :
@@ -334,16 +364,28 @@ absl::Status ValidateMetadata(const Metadata& m, const std::string& path) {
     if (!names.insert(t.name).second) return bad("listed twice");
     const int64_t elem = DtypeSize(t.dtype);
     if (elem == 0) return bad(absl::StrCat("unknown dtype \"", t.dtype, "\""));
-    if (t.shape.empty()) return bad("has no dim 0 (scalars are not sharded)");
+    const int64_t dims = static_cast<int64_t>(t.shape.size());
+    if ((t.shard_dim != 0 || dims == 0) && m.format_version < 2) {
+      return bad(absl::StrCat(dims == 0 ? "is 0-dim" : "has a shard_dim",
+                              ", which format_version ", m.format_version,
+                              " does not allow"));
+    }
+    if (t.shard_dim != 0 && (t.shard_dim < 0 || t.shard_dim >= dims)) {
+      return bad(absl::StrCat("shard_dim ", t.shard_dim,
+                              " is not a dim of its shape"));
+    }
     // Row bytes, computed with overflow checks: every offset the loader
-    // derives from them (RowNumel(shape) * DtypeSize, rows * row bytes) then
-    // fits in int64_t.
-    int64_t row_bytes = elem;
-    for (size_t d = 0; d < t.shape.size(); ++d) {
+    // derives from them (RowNumel * DtypeSize, rows * row bytes) then fits in
+    // int64_t.
+    for (int64_t d = 0; d < dims; ++d) {
       if (t.shape[d] < 0) {
         return bad(absl::StrCat("dim ", d, " is negative (", t.shape[d], ")"));
       }
-      if (d > 0 && __builtin_mul_overflow(row_bytes, t.shape[d], &row_bytes)) {
+    }
+    const std::vector<int64_t> frame = FrameShape(t.shape, t.shard_dim);
+    int64_t row_bytes = elem;
+    for (size_t d = 1; d < frame.size(); ++d) {
+      if (__builtin_mul_overflow(row_bytes, frame[d], &row_bytes)) {
         return bad("its shape is too large (bytes per row overflow int64)");
       }
     }
@@ -377,9 +419,9 @@ absl::Status ValidateMetadata(const Metadata& m, const std::string& path) {
                                 " checksums for ", blocks, " blocks"));
       }
     }
-    if (next_row != t.shape[0]) {
+    if (next_row != frame[0]) {
       return bad(absl::StrCat("its chunks cover rows [0, ", next_row, ") of ",
-                              t.shape[0]));
+                              frame[0]));
     }
   }
   return absl::OkStatus();

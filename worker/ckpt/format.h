@@ -15,7 +15,10 @@
 
 namespace hsdp::ckpt {
 
-inline constexpr int kFormatVersion = 1;
+// Version 2 adds a tensor's shard_dim and 0-dim tensors; a checkpoint that
+// uses neither is written as version 1, which every earlier build reads.
+inline constexpr int kFormatVersion = 2;
+inline constexpr int kMinFormatVersion = 1;
 inline constexpr char kFormatName[] = "hsdp-checkpoint";
 inline constexpr char kMetadataFile[] = "metadata.json";
 inline constexpr char kStepDirPrefix[] = "step-";
@@ -44,8 +47,12 @@ struct Chunk {
 struct TensorEntry {
   std::string name;            // parameter FQN, or optimizer/<state>/<FQN>
   std::string dtype;           // "float32", "bfloat16", ... (DtypeSize)
-  std::vector<int64_t> shape;  // global shape; rows are dim 0
+  std::vector<int64_t> shape;  // global shape
   std::vector<Chunk> chunks;   // sorted by row_begin
+  // Rows are the slices along this dim, stored in the row frame (FrameShape):
+  // the tensor with shard_dim moved first, row-major. 0 (dim 0, the tensor's
+  // own layout) unless the parameter was sharded on another dim.
+  int64_t shard_dim = 0;
 };
 
 struct FileEntry {
@@ -64,7 +71,8 @@ struct ShardIndex {
 };
 
 struct Metadata {
-  int format_version = kFormatVersion;
+  // What PublishMetadata writes: kMinFormatVersion unless a tensor needs 2.
+  int format_version = kMinFormatVersion;
   int64_t step = 0;
   // Data position: the next step to run; samples of the fixed global batch
   // consumed so far; the global batch it was saved with.
@@ -98,8 +106,15 @@ std::string OptimizerTensorName(const std::string& state,
 
 // Bytes per element; 0 for an unknown name.
 int64_t DtypeSize(const std::string& dtype);
-// Elements per row (product of shape[1..]); 1 for 1-D.
-int64_t RowNumel(const std::vector<int64_t>& shape);
+// The row frame: `shape` with `shard_dim` moved first; {1} for a 0-dim
+// shape (one row of one element).
+std::vector<int64_t> FrameShape(const std::vector<int64_t>& shape,
+                                int64_t shard_dim = 0);
+// Rows (FrameShape()[0]) and elements per row (the product of the rest).
+int64_t RowCount(const std::vector<int64_t>& shape, int64_t shard_dim = 0);
+int64_t RowNumel(const std::vector<int64_t>& shape, int64_t shard_dim = 0);
+// The version a checkpoint of these tensors needs.
+int RequiredFormatVersion(const std::vector<TensorEntry>& tensors);
 
 // Rows per block for a row of `row_bytes`.
 int64_t BlockRows(int64_t row_bytes);

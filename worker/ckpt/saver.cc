@@ -62,7 +62,7 @@ absl::Status CheckpointSaver::Save(
                                      .to(at::kCPU, /*non_blocking=*/false,
                                          /*copy=*/true)
                                      .contiguous(),
-                                 t.global_shape, t.row_offset});
+                                 t.global_shape, t.row_offset, t.shard_dim});
     }
   }
   if (!options_.async) {

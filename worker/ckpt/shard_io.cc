@@ -94,21 +94,31 @@ absl::StatusOr<ShardIndex> WriteShardFile(
   if (!s.ok()) return s;
   int64_t offset = 0;
   for (const LocalTensor& t : tensors) {
-    if (t.tensor.device().type() != c10::kCPU || !t.tensor.is_contiguous()) {
+    if (t.tensor.device().type() != c10::kCPU) {
       return absl::InvalidArgumentError(
-          absl::StrCat("tensor ", t.name, " is not a contiguous CPU tensor"));
+          absl::StrCat("tensor ", t.name, " is not a CPU tensor"));
     }
     TensorEntry e;
     e.name = t.name;
     e.dtype = DtypeName(t.tensor.scalar_type());
     e.shape = t.global_shape;
-    if (DtypeSize(e.dtype) == 0 || e.shape.empty()) {
+    e.shard_dim = e.shape.empty() ? 0 : t.shard_dim;
+    const int64_t dims = static_cast<int64_t>(e.shape.size());
+    if (DtypeSize(e.dtype) == 0 || t.tensor.dim() != dims ||
+        (dims > 0 && (e.shard_dim < 0 || e.shard_dim >= dims))) {
       return absl::InvalidArgumentError(absl::StrCat(
           "tensor ", t.name, ": dtype ", c10::toString(t.tensor.scalar_type()),
-          " with ", e.shape.size(), " dims cannot be checkpointed"));
+          " with ", t.tensor.dim(), " dims, global shape ",
+          c10::str(c10::IntArrayRef(e.shape)), " and shard dim ", t.shard_dim,
+          " cannot be checkpointed"));
     }
-    const int64_t row_bytes = RowNumel(e.shape) * DtypeSize(e.dtype);
-    const int64_t rows = t.tensor.dim() == 0 ? 1 : t.tensor.size(0);
+    // The bytes go out in the row frame: the shard dim first, row-major.
+    const at::Tensor frame =
+        (dims == 0 ? t.tensor.reshape({1}) : t.tensor.movedim(e.shard_dim, 0))
+            .contiguous();
+    const int64_t row_bytes =
+        RowNumel(e.shape, e.shard_dim) * DtypeSize(e.dtype);
+    const int64_t rows = frame.size(0);
     Chunk c;
     c.file = file_name;
     c.row_begin = t.row_offset;
@@ -116,12 +126,13 @@ absl::StatusOr<ShardIndex> WriteShardFile(
     c.offset = offset;
     c.bytes = rows * row_bytes;
     c.block_rows = BlockRows(row_bytes);
-    if (c.bytes != static_cast<int64_t>(t.tensor.nbytes())) {
+    if (c.bytes != static_cast<int64_t>(frame.nbytes())) {
       return absl::InvalidArgumentError(absl::StrCat(
           "tensor ", t.name, ": local shape ", c10::str(t.tensor.sizes()),
-          " does not match rows of ", c10::str(c10::IntArrayRef(e.shape))));
+          " does not match rows of ", c10::str(c10::IntArrayRef(e.shape)),
+          " along dim ", e.shard_dim));
     }
-    const char* bytes = static_cast<const char*>(t.tensor.data_ptr());
+    const char* bytes = static_cast<const char*>(frame.data_ptr());
     for (int64_t r = 0; r < rows; r += c.block_rows) {
       const int64_t n = std::min(c.block_rows, rows - r) * row_bytes;
       c.crc32c.push_back(Crc32c(bytes + r * row_bytes, static_cast<size_t>(n)));
@@ -197,6 +208,7 @@ absl::Status PublishMetadata(const std::string& step_dir, Metadata base,
     t.chunks = std::move(chunks);
     base.tensors.push_back(std::move(t));
   }
+  base.format_version = RequiredFormatVersion(base.tensors);
   const std::string path = absl::StrCat(step_dir, "/", kMetadataFile);
   absl::Status s = ValidateMetadata(base, path);
   if (!s.ok()) return s;
@@ -262,16 +274,40 @@ absl::Status RowReader::Read(const LocalTensor& target) {
         DtypeName(target.tensor.scalar_type()),
         c10::str(c10::IntArrayRef(target.global_shape))));
   }
-  const int64_t want_begin = target.row_offset;
-  const int64_t want_end = target.row_offset + target.tensor.size(0);
-  const int64_t row_bytes = RowNumel(e.shape) * DtypeSize(e.dtype);
-  // Staged on the CPU when the target lives elsewhere (one copy per tensor).
-  at::Tensor host =
-      target.tensor.device().is_cpu() && target.tensor.is_contiguous()
-          ? target.tensor
-          : at::empty(target.tensor.sizes(),
-                      target.tensor.options().device(at::kCPU));
-  char* dst = static_cast<char*>(host.data_ptr());
+  const int64_t dims = static_cast<int64_t>(e.shape.size());
+  const int64_t want_dim = dims == 0 ? 0 : target.shard_dim;
+  auto to_frame = [dims](const at::Tensor& t, int64_t dim) {
+    return dims == 0 ? t.reshape({1}) : t.movedim(dim, 0);
+  };
+  const at::TensorOptions cpu = target.tensor.options().device(at::kCPU);
+  if (want_dim == e.shard_dim) {
+    // The checkpoint's rows are the ones wanted: read only those.
+    const at::Tensor dst = to_frame(target.tensor, want_dim);
+    // Staged on the CPU when the target lives elsewhere or is strided.
+    const at::Tensor host = dst.device().is_cpu() && dst.is_contiguous()
+                                ? dst
+                                : at::empty(dst.sizes(), cpu);
+    absl::Status s = ReadRows(e, target.row_offset, host);
+    if (!s.ok()) return s;
+    if (!host.is_same(dst)) dst.copy_(host);
+    return absl::OkStatus();
+  }
+  // Saved as slices along another dim: every row of it holds part of the
+  // wanted slices. Read the whole tensor and cut them out.
+  at::Tensor whole = at::empty(FrameShape(e.shape, e.shard_dim), cpu);
+  absl::Status s = ReadRows(e, 0, whole);
+  if (!s.ok()) return s;
+  whole = dims == 0 ? whole.reshape({}) : whole.movedim(0, e.shard_dim);
+  target.tensor.copy_(
+      whole.narrow(want_dim, target.row_offset, target.tensor.size(want_dim)));
+  return absl::OkStatus();
+}
+
+absl::Status RowReader::ReadRows(const TensorEntry& e, int64_t want_begin,
+                                 const at::Tensor& frame) {
+  const int64_t want_end = want_begin + frame.size(0);
+  const int64_t row_bytes = RowNumel(e.shape, e.shard_dim) * DtypeSize(e.dtype);
+  char* dst = static_cast<char*>(frame.data_ptr());
   stats_.bytes_needed += (want_end - want_begin) * row_bytes;
   for (const Chunk& c : e.chunks) {
     const int64_t begin = std::max(c.row_begin, want_begin);
@@ -313,7 +349,6 @@ absl::Status RowReader::Read(const LocalTensor& target) {
                   (copy_end - copy_begin) * row_bytes);
     }
   }
-  if (!host.is_same(target.tensor)) target.tensor.copy_(host);
   return absl::OkStatus();
 }
 
@@ -324,12 +359,15 @@ absl::Status VerifyCheckpoint(const std::string& step_dir,
     absl::StatusOr<c10::ScalarType> type = ScalarTypeOf(t.dtype);
     if (!type.ok()) return type.status();
     // One block at a time: never the whole tensor in memory.
-    std::vector<int64_t> shape = t.shape;
+    std::vector<int64_t> shape = FrameShape(t.shape, t.shard_dim);
     for (const Chunk& c : t.chunks) {
       for (int64_t r = c.row_begin; r < c.row_end; r += c.block_rows) {
         shape[0] = std::min(c.block_rows, c.row_end - r);
-        LocalTensor block{t.name, at::empty(shape, at::dtype(*type)), t.shape,
-                          r};
+        at::Tensor frame = at::empty(shape, at::dtype(*type));
+        LocalTensor block{
+            t.name,
+            t.shape.empty() ? frame.reshape({}) : frame.movedim(0, t.shard_dim),
+            t.shape, r, t.shard_dim};
         absl::Status s = reader.Read(block);
         if (!s.ok()) return s;
       }

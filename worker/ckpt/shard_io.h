@@ -24,18 +24,21 @@
 namespace hsdp::ckpt {
 
 // One rank's rows of one global tensor: `tensor` holds rows [row_offset,
-// row_offset + tensor.size(0)) of a tensor of `global_shape` (0 rows is fine).
+// row_offset + n) of a tensor of `global_shape`, rows being the slices along
+// `shard_dim` (n = tensor.size(shard_dim); 0 rows is fine). `tensor` is in
+// the global tensor's orientation, any strides. A 0-dim tensor is one row.
 struct LocalTensor {
   std::string name;
   at::Tensor tensor;
   std::vector<int64_t> global_shape;
   int64_t row_offset = 0;
+  int64_t shard_dim = 0;
 };
 
 std::string DtypeName(c10::ScalarType type);
 absl::StatusOr<c10::ScalarType> ScalarTypeOf(const std::string& dtype);
 
-// Writes `tensors` (contiguous CPU tensors) as `file_name` in `step_dir`, then
+// Writes `tensors` (CPU tensors) as `file_name` in `step_dir`, then
 // its index (ShardIndexName), both atomically: the index appears only after
 // the data file is durable. Returns the index.
 absl::StatusOr<ShardIndex> WriteShardFile(
@@ -71,13 +74,19 @@ class RowReader {
   RowReader& operator=(const RowReader&) = delete;
 
   // Copies rows [row_offset, row_offset + rows) of the tensor named
-  // target.name into target.tensor (any device). Errors name the file and the
-  // tensor: missing, truncated, checksum mismatch, shape or dtype mismatch.
+  // target.name into target.tensor (any device). Rows along a shard dim
+  // other than the checkpoint's are cut from the whole tensor, which is read
+  // for it. Errors name the file and the tensor: missing, truncated, checksum
+  // mismatch, shape or dtype mismatch.
   absl::Status Read(const LocalTensor& target);
   const ReadStats& stats() const { return stats_; }
 
  private:
   absl::StatusOr<int> Open(const std::string& file, const TensorEntry& tensor);
+  // Rows [begin, begin + frame.size(0)) of `e` in its row frame into `frame`
+  // (a contiguous CPU tensor of the frame's shape with that many rows).
+  absl::Status ReadRows(const TensorEntry& e, int64_t begin,
+                        const at::Tensor& frame);
 
   std::string step_dir_;
   const Metadata& metadata_;

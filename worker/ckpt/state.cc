@@ -26,7 +26,7 @@ std::string StateKey(const at::Tensor& p) {
 LocalTensor Like(const LocalTensor& param, const std::string& state,
                  const at::Tensor& t) {
   return LocalTensor{OptimizerTensorName(state, param.name), t,
-                     param.global_shape, param.row_offset};
+                     param.global_shape, param.row_offset, param.shard_dim};
 }
 
 // The named state tensors of one parameter's state (defined ones only).
@@ -70,9 +70,9 @@ bool HasState(const Metadata& m, const std::string& state,
 std::unique_ptr<torch::optim::OptimizerParamState> NewState(
     const std::string& type, const at::Tensor& like, int64_t step,
     bool amsgrad) {
-  auto zeros = [&] {
-    return at::zeros_like(like, at::MemoryFormat::Contiguous);
-  };
+  // The layout the optimizers give their own state (a shard on a dim other
+  // than 0 is strided): heals move these bytes as they lie.
+  auto zeros = [&] { return at::zeros_like(like, at::MemoryFormat::Preserve); };
   if (type == "adamw") {
     auto s = std::make_unique<torch::optim::AdamWParamState>();
     s->step(step);
@@ -102,36 +102,6 @@ void SetStep(torch::optim::OptimizerParamState& base, int64_t step) {
 }
 
 }  // namespace
-
-absl::StatusOr<std::vector<LocalTensor>> ParamShards(
-    const std::vector<std::pair<std::string, at::Tensor>>& named_shards,
-    const torch::nn::Module& root, int shard_rank, int shard_size) {
-  std::map<std::string, std::vector<int64_t>> shapes;
-  for (const auto& item : root.named_parameters(/*recurse=*/true))
-    shapes[item.key()] = item.value().sizes().vec();
-  std::vector<LocalTensor> out;
-  for (const auto& [name, shard] : named_shards) {
-    auto it = shapes.find(name);
-    if (it == shapes.end() || it->second.empty()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "parameter ", name, " is not a dim >= 1 parameter of the model"));
-    }
-    const int64_t rows = it->second[0];
-    const int64_t padded = (rows + shard_size - 1) / shard_size;
-    const int64_t offset = std::min<int64_t>(rows, shard_rank * padded);
-    const int64_t valid = std::clamp<int64_t>(rows - offset, 0, padded);
-    if (shard.dim() == 0 || shard.size(0) != valid) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "parameter ", name, ": shard of shape ", c10::str(shard.sizes()),
-          " is not rows [", offset, ", ", offset + valid, ") of ",
-          c10::str(c10::IntArrayRef(it->second))));
-    }
-    // The optimizer's own tensor, not a detached alias: its state is keyed by
-    // the TensorImpl.
-    out.push_back(LocalTensor{name, shard, it->second, offset});
-  }
-  return out;
-}
 
 std::string OptimizerType(const torch::optim::Optimizer& optimizer) {
   if (dynamic_cast<const torch::optim::AdamW*>(&optimizer)) return "adamw";

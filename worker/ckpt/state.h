@@ -1,6 +1,7 @@
 // What of a training rank goes into a checkpoint: the engine's parameter
-// shards (the optimizer's leaves: this rank's valid rows of each dim-0 sharded
-// parameter) and the optimizer's per-parameter state, which has the same rows.
+// shards (the optimizer's leaves: this rank's valid rows of each parameter,
+// as LocalTensors that train::ParamTensors makes from the engine's layout) and
+// the optimizer's per-parameter state, which has the same rows.
 // Loading creates the optimizer state a fresh optimizer lacks, then fills
 // parameters and state from any mesh's files.
 //
@@ -21,14 +22,6 @@
 #include "worker/ckpt/shard_io.h"
 
 namespace hsdp::ckpt {
-
-// The parameter shards: `named_shards` as fsdp::Engine::NamedParameters()
-// gives them, their global shapes from `root` (the module's parameters keep
-// their global shape), row offsets by the engine's rule (dim 0 padded to
-// ceil(rows / shard_size) rows per shard).
-absl::StatusOr<std::vector<LocalTensor>> ParamShards(
-    const std::vector<std::pair<std::string, at::Tensor>>& named_shards,
-    const torch::nn::Module& root, int shard_rank, int shard_size);
 
 // "adamw", "adam", "sgd", or "none" for others (their state is not saved).
 std::string OptimizerType(const torch::optim::Optimizer& optimizer);

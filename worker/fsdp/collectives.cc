@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "worker/fsdp/flat_buffer_pool.h"
 #include "worker/fsdp/sharded_param.h"
 
 namespace hsdp::fsdp {
@@ -65,7 +66,7 @@ void AllGatherCopyIn(const std::vector<ShardedParam*>& params,
 void AllGatherCopyOut(const at::Tensor& output,
                       const std::vector<ShardedParam*>& params) {
   at::NoGradGuard no_grad;
-  const int64_t size = params.empty() ? 1 : params.front()->spec().shard_size;
+  const int64_t size = params.empty() ? 1 : params.front()->layout_size();
   const at::Tensor chunks = output.view({size, -1});
   int64_t offset = 0;
   for (const ShardedParam* p : params) {
@@ -79,14 +80,14 @@ void AllGatherCopyOut(const at::Tensor& output,
 void ReduceScatterCopyIn(const std::vector<ShardedParam*>& params,
                          const at::Tensor& flat) {
   at::NoGradGuard no_grad;
-  const int64_t size = params.empty() ? 1 : params.front()->spec().shard_size;
+  const int64_t size = params.empty() ? 1 : params.front()->layout_size();
   // Each rank's chunk may be longer than the gradients (a tail the caller
   // fills).
   const at::Tensor chunks = flat.view({size, flat.numel() / size});
   int64_t offset = 0;
   for (const ShardedParam* p : params) {
     at::Tensor dst = chunks.narrow(1, offset, p->shard_numel());
-    const at::Tensor grad = p->unsharded_grad();
+    const at::Tensor grad = p->unsharded_grad_rows();
     const int64_t padded_rows = p->padded_rows_per_rank() * size;
     if (!grad.defined()) {
       dst.zero_();
@@ -118,7 +119,7 @@ std::vector<at::Tensor> SplitReducedChunk(
   pieces.reserve(params.size());
   int64_t offset = 0;
   for (const ShardedParam* p : params) {
-    std::vector<int64_t> shape = p->global_shape();
+    std::vector<int64_t> shape = p->frame_shape();
     shape[0] = p->padded_rows_per_rank();
     pieces.push_back(output.narrow(0, offset, p->shard_numel())
                          .view(shape)
@@ -126,6 +127,236 @@ std::vector<at::Tensor> SplitReducedChunk(
     offset += p->shard_numel();
   }
   return pieces;
+}
+
+void FillGradFlags(const std::vector<ShardedParam*>& params,
+                   const at::Tensor& flags) {
+  at::NoGradGuard no_grad;
+  // One host-to-device copy rather than one fill per parameter.
+  std::vector<float> local(params.size());
+  for (size_t i = 0; i < params.size(); ++i)
+    local[i] = params[i]->unsharded_grad().defined() ? 1.0f : 0.0f;
+  flags.copy_(at::from_blob(local.data(), {static_cast<int64_t>(local.size())},
+                            at::TensorOptions().dtype(at::kFloat)));
+}
+
+int64_t ReductionChunkNumel(const std::vector<ShardedParam*>& params) {
+  return FlatChunkNumel(params) + static_cast<int64_t>(params.size());
+}
+
+absl::Status StartAllGatherFlat(const std::vector<ShardedParam*>& params,
+                                comm::Communicator& group, FlatBufferPool& pool,
+                                const at::TensorOptions& options,
+                                AllGatherState& state) {
+  // In place: this rank's chunk is copied into its slot of the gathered
+  // buffer, so a unit needs one flat buffer, not two.
+  const int64_t chunk = FlatChunkNumel(params);
+  state.output = pool.Acquire(chunk * group.size(), options);
+  const at::Tensor own = state.output.narrow(0, chunk * group.rank(), chunk);
+  AllGatherCopyIn(params, own);
+  if (group.size() == 1) return absl::OkStatus();
+  absl::StatusOr<comm::Buffer> in = ToBuffer(own);
+  if (!in.ok()) return in.status();
+  absl::StatusOr<comm::Buffer> out = ToBuffer(state.output);
+  if (!out.ok()) return out.status();
+  state.work = group.AllGather(*in, *out);
+  return absl::OkStatus();
+}
+
+absl::Status StartAllGatherSegments(const std::vector<ShardedParam*>& params,
+                                    comm::Communicator& group,
+                                    FlatBufferPool& pool,
+                                    const at::TensorOptions& options,
+                                    AllGatherState& state) {
+  bool cast = false;
+  for (const ShardedParam* p : params) {
+    cast = cast || p->sharded_padded().scalar_type() !=
+                       c10::typeMetaToScalarType(options.dtype());
+  }
+  if (cast) {
+    // Mixed precision: the shards go out in the compute dtype.
+    state.input = pool.Acquire(FlatChunkNumel(params), options);
+    AllGatherCopyIn(params, state.input);
+  }
+  const int size = group.size();
+  std::vector<comm::Buffer> inputs;
+  std::vector<std::vector<comm::Buffer>> outputs(static_cast<size_t>(size));
+  int64_t offset = 0;
+  for (const ShardedParam* p : params) {
+    const int64_t n = p->shard_numel();
+    absl::StatusOr<comm::Buffer> in =
+        ToBuffer(cast ? state.input.narrow(0, offset, n) : p->sharded_padded());
+    if (!in.ok()) return in.status();
+    absl::StatusOr<comm::Buffer> out = ToBuffer(p->unsharded_padded());
+    if (!out.ok()) return out.status();
+    inputs.push_back(*in);
+    for (int r = 0; r < size; ++r) {
+      comm::Buffer piece = *out;
+      piece.data = static_cast<char*>(out->data) +
+                   r * n * static_cast<int64_t>(comm::ElementSize(out->dtype));
+      piece.count = n;
+      outputs[r].push_back(piece);
+    }
+    offset += n;
+  }
+  state.work = group.AllGatherSegments(inputs, outputs);
+  return absl::OkStatus();
+}
+
+absl::Status PrepareReduceScatterFlat(const std::vector<ShardedParam*>& params,
+                                      int shard_size, FlatBufferPool& pool,
+                                      const at::TensorOptions& options,
+                                      ReduceScatterState& state) {
+  const int64_t chunk = ReductionChunkNumel(params);
+  state.input = pool.Acquire(chunk * shard_size, options);
+  ReduceScatterCopyIn(params, state.input);
+  // Every rank's chunk carries this rank's flags in its tail.
+  at::NoGradGuard no_grad;
+  const int64_t grads = FlatChunkNumel(params);
+  const at::Tensor flags =
+      state.input.view({shard_size, chunk}).narrow(1, grads, chunk - grads);
+  FillGradFlags(params, flags[0]);
+  for (int r = 1; r < shard_size; ++r) flags[r].copy_(flags[0]);
+  return absl::OkStatus();
+}
+
+absl::Status PrepareReduceScatterSegments(
+    const std::vector<ShardedParam*>& params, comm::Communicator& group,
+    FlatBufferPool& pool, const at::TensorOptions& options, bool in_place,
+    ReduceScatterState& state) {
+  const int size = group.size();
+  const int rank = group.rank();
+  const int64_t chunk = ReductionChunkNumel(params);
+  const int64_t num_flags = static_cast<int64_t>(params.size());
+  state.segments = true;
+  // Without replicas the sum lands in place, in this rank's own rows of each
+  // gradient (no output buffer). HSDP all-reduces one flat chunk, so there the
+  // sum goes to a chunk in the flat path's padded layout. Either way, room for
+  // the peers' contributions if the backend receives them before summing.
+  state.in_place = in_place;
+  if (!in_place) state.output = pool.Acquire(chunk, options);
+  // The flags go to every rank as one more segment (a copy per rank, since
+  // this rank's copy also receives the sum in place).
+  state.flags = at::empty({size, num_flags}, options);
+  FillGradFlags(params, state.flags[0]);
+  for (int r = 1; r < size; ++r) state.flags[r].copy_(state.flags[0]);
+  const int64_t scratch_count = group.ReduceScatterScratchCount(chunk);
+  if (scratch_count > 0) state.scratch = pool.Acquire(scratch_count, options);
+  state.grads.clear();
+  state.send.assign(static_cast<size_t>(size), {});
+  state.receive.clear();
+  at::NoGradGuard no_grad;
+  int64_t offset = 0;
+  for (const ShardedParam* p : params) {
+    at::Tensor g = p->unsharded_grad_rows();
+    if (g.defined()) {
+      // In the reduce dtype and contiguous in the row frame; a no-op in the
+      // common case.
+      g = g.to(c10::typeMetaToScalarType(options.dtype())).contiguous();
+    } else {
+      // Every rank contributes to every segment: zeros stand in.
+      g = at::zeros(p->frame_shape(), options);
+    }
+    state.grads.push_back(g);
+    absl::StatusOr<comm::Buffer> whole = ToBuffer(g);
+    if (!whole.ok()) return whole.status();
+    const int64_t row_bytes =
+        p->row_numel() * static_cast<int64_t>(comm::ElementSize(whole->dtype));
+    for (int r = 0; r < size; ++r) {
+      const int64_t begin = r * p->padded_rows_per_rank();
+      const int64_t rows =
+          std::clamp<int64_t>(p->rows() - begin, 0, p->padded_rows_per_rank());
+      state.send[r].push_back(
+          comm::Buffer{static_cast<char*>(whole->data) + begin * row_bytes,
+                       rows * p->row_numel(), whole->dtype});
+      if (r != rank) continue;
+      if (in_place) {
+        state.receive.push_back(state.send[r].back());
+        continue;
+      }
+      const int64_t valid = rows * p->row_numel();
+      absl::StatusOr<comm::Buffer> out =
+          ToBuffer(state.output.narrow(0, offset, valid));
+      if (!out.ok()) return out.status();
+      state.receive.push_back(*out);
+      // Padding rows stay zero (the HSDP all-reduce reads the whole chunk).
+      if (valid < p->shard_numel()) {
+        state.output.narrow(0, offset + valid, p->shard_numel() - valid)
+            .zero_();
+      }
+    }
+    offset += p->shard_numel();
+  }
+  for (int r = 0; r < size; ++r) {
+    absl::StatusOr<comm::Buffer> flags = ToBuffer(state.flags[r]);
+    if (!flags.ok()) return flags.status();
+    state.send[r].push_back(*flags);
+  }
+  if (in_place) {
+    state.receive.push_back(state.send[rank].back());
+  } else {
+    absl::StatusOr<comm::Buffer> out =
+        ToBuffer(state.output.narrow(0, offset, num_flags));
+    if (!out.ok()) return out.status();
+    state.receive.push_back(*out);
+  }
+  state.grad_bytes = 0;
+  for (const at::Tensor& g : state.grads)
+    state.grad_bytes += static_cast<int64_t>(g.nbytes());
+  state.scratch_buffer =
+      comm::Buffer{nullptr, 0,
+                   state.receive.empty() ? comm::DataType::kFloat32
+                                         : state.receive[0].dtype};
+  if (state.scratch.defined()) {
+    absl::StatusOr<comm::Buffer> b = ToBuffer(state.scratch);
+    if (!b.ok()) return b.status();
+    state.scratch_buffer = *b;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status StartReduceScatter(comm::Communicator& group, comm::ReduceOp op,
+                                ReduceScatterState& state) {
+  if (state.segments) {
+    state.work = group.ReduceScatterSegments(state.send, state.receive,
+                                             state.scratch_buffer, op);
+    state.send.clear();
+    state.receive.clear();
+    return absl::OkStatus();
+  }
+  if (group.size() == 1) return absl::OkStatus();
+  // In place: the reduced chunk lands in this rank's slot of the input.
+  const int64_t chunk = state.input.numel() / group.size();
+  state.output = state.input.narrow(0, chunk * group.rank(), chunk);
+  absl::StatusOr<comm::Buffer> in = ToBuffer(state.input);
+  if (!in.ok()) return in.status();
+  absl::StatusOr<comm::Buffer> out = ToBuffer(state.output);
+  if (!out.ok()) return out.status();
+  state.work = group.ReduceScatter(*in, *out, op);
+  return absl::OkStatus();
+}
+
+absl::Status PrepareReplicatedAllReduce(
+    const std::vector<ShardedParam*>& params, FlatBufferPool& pool,
+    const at::TensorOptions& options, ReplicatedAllReduceState& state) {
+  at::NoGradGuard no_grad;
+  int64_t numel = 0;
+  for (const ShardedParam* p : params) numel += p->numel();
+  const int64_t num_flags = static_cast<int64_t>(params.size());
+  state.buffer = pool.Acquire(numel + num_flags, options);
+  int64_t offset = 0;
+  for (const ShardedParam* p : params) {
+    at::Tensor dst = state.buffer.narrow(0, offset, p->numel());
+    const at::Tensor g = p->unsharded_grad_rows();
+    if (g.defined()) {
+      dst.copy_(g.reshape({-1}));
+    } else {
+      dst.zero_();
+    }
+    offset += p->numel();
+  }
+  FillGradFlags(params, state.buffer.narrow(0, numel, num_flags));
+  return absl::OkStatus();
 }
 
 }  // namespace hsdp::fsdp

@@ -1,24 +1,83 @@
-// Adapts at::Tensor to the torch-free comm::Buffer and implements the fused
-// copy-in/copy-out of a unit's flat all-gather and reduce-scatter buffers.
+// The collectives of a unit, stateless: the Tensor <-> comm::Buffer adapters,
+// the fused copy-in/copy-out of the flat buffers, and the two ways a unit's
+// bytes move (unit_group.h says when each applies), each a Start that issues
+// the collective and fills a state record (FSDP2's AllGatherState /
+// ReduceScatterState) that the unit keeps until it completes.
 //
 // Flat layout (rank-major, as FSDP2): a unit's flat shard is the concatenation
-// over its parameters of each padded local shard (ceil(rows/S) rows). The
-// all-gather output is S such chunks; parameter j's piece of rank r's chunk is
-// rows [r*ceil, (r+1)*ceil) of its padded unsharded tensor. Stateless
-// functions; thread-compatible.
+// over its parameters of each padded local shard (ceil(rows/S) rows of its row
+// frame, sharded_param.h). The all-gather output is S such chunks; parameter
+// j's piece of rank r's chunk is rows [r*ceil, (r+1)*ceil) of its padded
+// unsharded tensor. Every parameter passed must be sharded over the same S
+// ranks (not replicated). A reduction's chunk ends in one flag per parameter
+// (1 where this rank had a gradient, 0 where zeros stood in), reduced with the
+// gradients: whether any rank had one travels with the sums.
+//
+// Thread-compatible: the functions touch only what they are given.
 #ifndef HSDP_WORKER_FSDP_COLLECTIVES_H_
 #define HSDP_WORKER_FSDP_COLLECTIVES_H_
 
 #include <ATen/core/Tensor.h>
 
+#include <cstdint>
+#include <memory>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "worker/comm/communicator.h"
 
 namespace hsdp::fsdp {
 
+class FlatBufferPool;
 class ShardedParam;
+
+// A unit's all-gather from issue to completion.
+struct AllGatherState {
+  // Flat path: S chunks from the pool, gathered in place.
+  at::Tensor output;
+  // Segments path, mixed precision: the shards cast to the compute dtype.
+  at::Tensor input;
+  std::unique_ptr<comm::Work> work;
+  int64_t issued_ns = 0;  // when tracing
+};
+
+// A unit's reduce-scatter from issue to completion.
+struct ReduceScatterState {
+  // Flat path: S chunks (gradients, then flags) from the pool, reduced in
+  // place; `output` is this rank's chunk of it. Segments path with replicas:
+  // `output` is a chunk in the flat layout from the pool (HSDP all-reduces
+  // one flat chunk).
+  at::Tensor input;
+  at::Tensor output;
+  // Segments path: room for the peers' contributions, when the backend needs
+  // it; this rank's flags, one copy per destination; the gradients being sent
+  // (alive until the collective completes) and their bytes.
+  at::Tensor scratch;
+  at::Tensor flags;
+  std::vector<at::Tensor> grads;
+  int64_t grad_bytes = 0;
+  // Segments path without replicas: each sum lands in this rank's own rows of
+  // the gradients, `output` stays undefined.
+  bool in_place = false;
+  // Segments path, from Prepare to Start: what goes to each rank, where this
+  // rank's sums land, the scratch as a buffer.
+  bool segments = false;
+  std::vector<std::vector<comm::Buffer>> send;
+  std::vector<comm::Buffer> receive;
+  comm::Buffer scratch_buffer;
+  std::unique_ptr<comm::Work> work;
+  int64_t issued_ns = 0;  // when tracing
+};
+
+// The replicated parameters' all-reduce over the shard group: their
+// gradients (zeros where this rank has none) and one flag each, in one flat
+// buffer from the pool.
+struct ReplicatedAllReduceState {
+  at::Tensor buffer;
+  std::unique_ptr<comm::Work> work;
+  int64_t issued_ns = 0;  // when tracing
+};
 
 absl::StatusOr<comm::DataType> ToCommDataType(c10::ScalarType type);
 // A view of a contiguous tensor as a Buffer (no copy). The tensor must outlive
@@ -43,9 +102,57 @@ void AllGatherCopyOut(const at::Tensor& output,
 void ReduceScatterCopyIn(const std::vector<ShardedParam*>& params,
                          const at::Tensor& flat);
 // The rows of `output` (one reduced chunk) that belong to each parameter's
-// local shard.
+// local shard, in its row frame.
 std::vector<at::Tensor> SplitReducedChunk(
     const at::Tensor& output, const std::vector<ShardedParam*>& params);
+
+// Writes this rank's flags for `params` into `flags` (one element each: 1
+// where it has an unsharded gradient).
+void FillGradFlags(const std::vector<ShardedParam*>& params,
+                   const at::Tensor& flags);
+// Elements of one rank's chunk of a reduction of `params`: the gradients'
+// flat chunk, then one flag per parameter.
+int64_t ReductionChunkNumel(const std::vector<ShardedParam*>& params);
+
+// Flat path (NCCL's: one contiguous buffer per collective). Copies this
+// rank's shards into its chunk of S chunks from `pool` (in `options`) and
+// starts the all-gather in place.
+absl::Status StartAllGatherFlat(const std::vector<ShardedParam*>& params,
+                                comm::Communicator& group, FlatBufferPool& pool,
+                                const at::TensorOptions& options,
+                                AllGatherState& state);
+// Segments path (Gloo TCP, shared memory). Sends each shard (cast into a
+// pool buffer when it is not in `options`' dtype) and receives every peer's
+// piece straight into the unsharded storage, which must be allocated.
+absl::Status StartAllGatherSegments(const std::vector<ShardedParam*>& params,
+                                    comm::Communicator& group,
+                                    FlatBufferPool& pool,
+                                    const at::TensorOptions& options,
+                                    AllGatherState& state);
+
+// Flat path: fills S chunks of (gradients, flags) from the unsharded
+// gradients into a pool buffer. The gradients may be dropped once it returns.
+absl::Status PrepareReduceScatterFlat(const std::vector<ShardedParam*>& params,
+                                      int shard_size, FlatBufferPool& pool,
+                                      const at::TensorOptions& options,
+                                      ReduceScatterState& state);
+// Segments path: takes the unsharded gradients (in `options`' dtype,
+// contiguous in the row frame; zeros where there is none) and lays out what
+// each rank receives of them, the flags as one more segment. The module
+// parameters' gradients may be dropped once it returns (state.grads holds
+// them).
+absl::Status PrepareReduceScatterSegments(
+    const std::vector<ShardedParam*>& params, comm::Communicator& group,
+    FlatBufferPool& pool, const at::TensorOptions& options, bool in_place,
+    ReduceScatterState& state);
+// Starts the prepared reduce-scatter.
+absl::Status StartReduceScatter(comm::Communicator& group, comm::ReduceOp op,
+                                ReduceScatterState& state);
+
+// Fills state.buffer with the replicated parameters' gradients and flags.
+absl::Status PrepareReplicatedAllReduce(
+    const std::vector<ShardedParam*>& params, FlatBufferPool& pool,
+    const at::TensorOptions& options, ReplicatedAllReduceState& state);
 
 }  // namespace hsdp::fsdp
 

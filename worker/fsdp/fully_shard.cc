@@ -12,6 +12,7 @@
 #include "common/mesh.h"
 #include "hsdp/v1/common.pb.h"
 #include "hsdp/v1/schedule.pb.h"
+#include "worker/fsdp/engine_core.h"
 #include "worker/fsdp/hooks.h"
 #include "worker/fsdp/unit_group.h"
 
@@ -77,7 +78,7 @@ absl::StatusOr<UnshardHandle> UnitHandle::Unshard(bool async_op) {
   if (!core.finalized) {
     return absl::FailedPreconditionError("Unshard before FullyShardRoot");
   }
-  if (core.callback_queued) {
+  if (core.pass.callback_queued) {
     return absl::FailedPreconditionError(
         absl::StrCat("Unshard of unit ", group_->name(), " during backward"));
   }
@@ -91,7 +92,7 @@ absl::StatusOr<UnshardHandle> UnitHandle::Unshard(bool async_op) {
 
 absl::Status UnitHandle::Reshard() {
   EngineCore& core = group_->core();
-  if (core.callback_queued) {
+  if (core.pass.callback_queued) {
     return absl::FailedPreconditionError(
         absl::StrCat("Reshard of unit ", group_->name(), " during backward"));
   }
@@ -187,6 +188,18 @@ absl::StatusOr<std::unique_ptr<UnitGroup>> BuildUnit(
           "unit ", name, ": a parameter is not under the root module"));
     }
     spec.param_dtype = core.param_dtype(t.scalar_type());
+    spec.placement = ParamPlacement();
+    if (options.placement) {
+      std::optional<ParamPlacement> placement;
+      try {
+        placement = options.placement(it->second, t);
+      } catch (const std::exception& e) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("unit ", name, ": the placement of ", it->second,
+                         " threw: ", e.what()));
+      }
+      if (placement.has_value()) spec.placement = *placement;
+    }
     absl::StatusOr<std::unique_ptr<ShardedParam>> p;
     try {
       p = ShardedParam::Create(it->second, t, spec);
@@ -194,7 +207,11 @@ absl::StatusOr<std::unique_ptr<UnitGroup>> BuildUnit(
       return absl::InternalError(absl::StrCat("sharding ", it->second, ": ",
                                               e.what_without_backtrace()));
     }
-    if (!p.ok()) return p.status();
+    if (!p.ok()) {
+      return absl::Status(
+          p.status().code(),
+          absl::StrCat("unit ", name, ": ", p.status().message()));
+    }
     params.push_back(std::move(*p));
   }
   return std::make_unique<UnitGroup>(&core, index, name, std::move(params),
@@ -344,7 +361,7 @@ absl::Status Engine::Apply(const hsdp::v1::StepSchedule& schedule,
     return absl::InvalidArgumentError(absl::StrCat(
         "microbatch ", microbatch, " out of range (", num_mb, " in schedule)"));
   }
-  if (core_->callback_queued) {
+  if (core_->pass.callback_queued) {
     return absl::FailedPreconditionError("Apply during backward");
   }
   absl::Status s = CatchTorch(*core_, [&] {
@@ -420,7 +437,7 @@ std::vector<std::pair<std::string, at::Tensor>> Engine::NamedParameters()
 absl::Status Engine::status() const { return core_->status; }
 
 std::pair<std::string, std::string> Engine::ForwardPosition() const {
-  const int last = core_->max_entered;
+  const int last = core_->pass.max_entered;
   const int n = static_cast<int>(core_->units.size());
   return {last >= 0 && last < n ? core_->units[last]->name() : "",
           last + 1 < n ? core_->units[last + 1]->name() : ""};
@@ -449,7 +466,7 @@ void Engine::SetTraceRecorder(TraceRecorder* recorder) {
 
 at::Tensor Recompute(Engine& engine, const TensorFn& fn,
                      const at::Tensor& input) {
-  return CheckpointApply(&CoreOf(engine), fn, input);
+  return RecomputeApply(&CoreOf(engine), fn, input);
 }
 
 EngineCore& CoreOf(Engine& engine) { return *engine.core_; }
@@ -458,7 +475,8 @@ const EngineCore& CoreOf(const Engine& engine) { return *engine.core_; }
 UnitInfo DescribeUnit(
     const std::string& name,
     const std::vector<std::pair<std::string, at::Tensor>>& params,
-    const EngineOptions& options, int shard_size) {
+    const EngineOptions& options, int shard_size,
+    const PlacementFn& placement) {
   UnitInfo info;
   info.name = name;
   info.num_params = static_cast<int64_t>(params.size());
@@ -471,10 +489,23 @@ UnitInfo DescribeUnit(
     info.bytes += numel * static_cast<int64_t>(c10::elementSize(master));
     info.unsharded_bytes +=
         numel * static_cast<int64_t>(c10::elementSize(compute));
-    const int64_t rows = t.dim() == 0 ? 1 : t.size(0);
+    ParamPlacement where;
+    if (placement) where = placement(fqn, t).value_or(ParamPlacement());
+    const int64_t master_size = static_cast<int64_t>(c10::elementSize(master));
+    if (where.replicated) {
+      info.sharded_bytes += numel * master_size;
+      info.replicated_bytes += numel * master_size;
+      info.param_names.push_back(fqn);
+      continue;
+    }
+    const int64_t dim =
+        where.shard_dim < 0 ? where.shard_dim + t.dim() : where.shard_dim;
+    const int64_t rows = t.dim() == 0                ? 1
+                         : dim >= 0 && dim < t.dim() ? t.size(dim)
+                                                     : t.size(0);
     const int64_t row_numel = rows == 0 ? 0 : numel / rows;
-    info.sharded_bytes += PaddedShardRows(rows, shard_size) * row_numel *
-                          static_cast<int64_t>(c10::elementSize(master));
+    info.sharded_bytes +=
+        PaddedShardRows(rows, shard_size) * row_numel * master_size;
     info.param_names.push_back(fqn);
   }
   return info;
@@ -485,6 +516,7 @@ hsdp::v1::UnitInfo ToProto(const UnitInfo& info) {
   out.set_name(info.name);
   out.set_param_count(info.numel);
   out.set_param_bytes(info.bytes);
+  out.set_replicated_bytes(info.replicated_bytes);
   return out;
 }
 

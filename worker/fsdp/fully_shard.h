@@ -96,6 +96,7 @@
 #include "absl/status/statusor.h"
 #include "common/memory_breakdown.h"
 #include "worker/comm/communicator.h"
+#include "worker/fsdp/placement.h"
 
 namespace torch::nn {
 class Module;
@@ -191,6 +192,11 @@ struct UnitOptions {
   // gathers). Wrong for a module whose backward reads its weights, as a
   // Linear's does: that backward would read freed storage.
   bool unshard_in_backward = true;
+  // Each parameter's placement (placement.h): FSDP2's shard_placement_fn
+  // (Shard(dim)) and hyper_parallel's replicate_params in one. Unset, or
+  // std::nullopt for a parameter: sharded on dim 0. A shard dim out of range,
+  // or a 0-dim parameter not replicated, fails FullyShard naming it.
+  PlacementFn placement;
 };
 
 // Static description of a unit. ToProto gives what the worker reports when it
@@ -203,8 +209,12 @@ struct UnitInfo {
   int64_t bytes = 0;
   // Bytes of the unsharded parameters in param_dtype.
   int64_t unsharded_bytes = 0;
-  // Bytes of this rank's padded shards (the master copy).
+  // Bytes of this rank's padded shards (the master copy), replicated
+  // parameters whole.
   int64_t sharded_bytes = 0;
+  // Bytes of the replicated parameters (master dtype): held whole on every
+  // rank, in sharded_bytes too.
+  int64_t replicated_bytes = 0;
   // Fully qualified names under the root module.
   std::vector<std::string> param_names;
 };
@@ -220,7 +230,9 @@ struct UnitStats {
   int64_t peak_unsharded_bytes = 0;
   int64_t all_gathers = 0;
   int64_t reduce_scatters = 0;
-  // HSDP all-reduces across the replicate group (none with one replica).
+  // HSDP all-reduces across the replicate group (none with one replica), and
+  // the replicated parameters' all-reduces (one over the shard group and one
+  // over the replicate group per synchronising microbatch).
   int64_t all_reduces = 0;
   double all_gather_seconds = 0;
   double reduce_scatter_seconds = 0;
@@ -442,12 +454,13 @@ at::Tensor Recompute(Engine& engine, const TensorFn& fn,
 
 // What FullyShard / FullyShardRoot record for a unit of these parameters (fully
 // qualified names under the root; any device, meta included; the master dtype),
-// for `shard_size` ranks, without sharding anything: Engine::Units() reports
-// exactly this for every unit.
+// for `shard_size` ranks and the unit's `placement`, without sharding
+// anything: Engine::Units() reports exactly this for every unit.
 UnitInfo DescribeUnit(
     const std::string& name,
     const std::vector<std::pair<std::string, at::Tensor>>& params,
-    const EngineOptions& options, int shard_size);
+    const EngineOptions& options, int shard_size,
+    const PlacementFn& placement = nullptr);
 
 // The unit as the coordinator sees it: name, elements, master bytes.
 hsdp::v1::UnitInfo ToProto(const UnitInfo& info);
@@ -468,13 +481,24 @@ absl::Status LoadFullStateDict(Engine& engine,
 
 // One rank's shard of one parameter with what is needed to place it.
 struct ShardedTensor {
-  at::Tensor local;  // this rank's rows (unpadded), a copy
+  // This rank's rows (unpadded): slices [row_offset, row_offset + n) of the
+  // parameter along shard_dim, in the parameter's orientation. A copy in
+  // ShardedStateDict; the optimizer's own leaf in ShardLayouts.
+  at::Tensor local;
   std::vector<int64_t> global_shape;
-  int64_t row_offset = 0;  // first global row held here
+  int64_t row_offset = 0;  // first global row (slice along shard_dim) held here
+  int64_t shard_dim = 0;
+  // Held whole on every rank (row_offset 0, every row).
+  bool replicated = false;
   int shard_rank = 0;
   int shard_size = 1;
 };
 std::map<std::string, ShardedTensor> ShardedStateDict(const Engine& engine);
+// Every parameter's shard and layout in NamedParameters() order, without
+// copying: `local` is the optimizer's leaf (Parameters()), for checkpoints,
+// whose optimizer state is keyed by it.
+std::vector<std::pair<std::string, ShardedTensor>> ShardLayouts(
+    const Engine& engine);
 // Local only (no collectives): the layout must match this rank's.
 absl::Status LoadShardedStateDict(
     Engine& engine, const std::map<std::string, ShardedTensor>& state);

@@ -6,6 +6,7 @@
 
 #include <utility>
 
+#include "worker/fsdp/engine_core.h"
 #include "worker/fsdp/unit_group.h"
 
 namespace hsdp::fsdp {
@@ -48,8 +49,9 @@ struct UnitHookFunction
 using PreBackwardFunction = UnitHookFunction<&UnitGroup::PreBackward>;
 using PostBackwardFunction = UnitHookFunction<&UnitGroup::PostBackward>;
 
-struct CheckpointFunction
-    : public torch::autograd::Function<CheckpointFunction> {
+// Activation recompute: runs its body without grad and reruns it in
+// backward.
+struct RecomputeFunction : public torch::autograd::Function<RecomputeFunction> {
   static variable_list forward(AutogradContext* ctx, EngineCore* core,
                                int64_t fn_id, const at::Tensor& input) {
     ctx->saved_data["core"] = PtrToInt(core);
@@ -57,16 +59,16 @@ struct CheckpointFunction
     ctx->save_for_backward({input});
     // Runs with grad disabled (custom Function forward): no activations are
     // kept.
-    return {core->checkpoint_fns.at(fn_id)(input)};
+    return {core->recompute_fns.at(fn_id)(input)};
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     EngineCore* core = IntToPtr<EngineCore>(ctx->saved_data["core"]);
     const int64_t fn_id = ctx->saved_data["fn"].toInt();
-    auto it = core->checkpoint_fns.find(fn_id);
-    TORCH_CHECK(it != core->checkpoint_fns.end(),
-                "checkpoint: backward ran twice");
+    auto it = core->recompute_fns.find(fn_id);
+    TORCH_CHECK(it != core->recompute_fns.end(),
+                "recompute: backward ran twice");
     const TensorFn fn = std::move(it->second);
-    core->checkpoint_fns.erase(it);
+    core->recompute_fns.erase(it);
     const at::Tensor saved = ctx->get_saved_variables()[0];
     at::Tensor input = saved.detach();
     input.set_requires_grad(saved.requires_grad());
@@ -127,12 +129,12 @@ void QueueEndOfBackwardCallback(EngineCore* core) {
       [core] { core->EndOfBackward(); });
 }
 
-at::Tensor CheckpointApply(EngineCore* core, const TensorFn& fn,
-                           const at::Tensor& input) {
+at::Tensor RecomputeApply(EngineCore* core, const TensorFn& fn,
+                          const at::Tensor& input) {
   if (!at::GradMode::is_enabled()) return fn(input);
-  const int64_t id = core->next_checkpoint_id++;
-  core->checkpoint_fns[id] = fn;
-  return CheckpointFunction::apply(core, id, input)[0];
+  const int64_t id = core->next_recompute_id++;
+  core->recompute_fns[id] = fn;
+  return RecomputeFunction::apply(core, id, input)[0];
 }
 
 }  // namespace hsdp::fsdp

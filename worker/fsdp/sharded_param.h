@@ -1,12 +1,22 @@
-// Per-parameter sharding state (FSDP2's FSDPParam): dim-0 sharding with padding
-// to ceil(rows/S) rows per rank.
+// Per-parameter sharding state (FSDP2's FSDPParam): sharding on one dim with
+// padding to ceil(rows/S) rows per rank, or replication (placement.h).
+//
+// Rows. The engine moves bytes in the parameter's *row frame*: the parameter
+// with its shard dim moved to the front (dim 0 itself for the default
+// placement, where the frame is the parameter). A row is one slice along the
+// shard dim; the local shard and the unsharded buffer are contiguous in the
+// frame, so a rank's rows are one contiguous piece of the unsharded buffer,
+// whatever the dim. A replicated parameter is laid out as a group of one: one
+// shard holding every row. A 0-dim parameter's frame is one row of one
+// element.
 //
 // The optimizer sees `sharded()`: a plain leaf tensor holding this rank's valid
-// rows (it aliases the first rows of a zero-padded local buffer, so the padding
-// is never visible and stays zero). The module's parameter keeps its identity
-// and becomes, via set_data, a view of an unsharded padded buffer whose
-// *storage bytes* are freed on reshard and reallocated on unshard: the tensor
-// objects autograd saved stay valid and see the refilled bytes.
+// rows in the parameter's own orientation (it aliases the first rows of a
+// zero-padded local buffer, so the padding is never visible and stays zero; on
+// a shard dim other than 0 it is a strided view). The module's parameter keeps
+// its identity and becomes, via set_data, a view of an unsharded padded buffer
+// whose *storage bytes* are freed on reshard and reallocated on unshard: the
+// tensor objects autograd saved stay valid and see the refilled bytes.
 //
 // Thread-compatible: owned and driven by one UnitGroup on the training thread.
 #ifndef HSDP_WORKER_FSDP_SHARDED_PARAM_H_
@@ -20,12 +30,16 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "worker/fsdp/placement.h"
 
 namespace hsdp::fsdp {
 
 struct ShardedParamSpec {
   int shard_rank = 0;
   int shard_size = 1;
+  // The shard dim (already checked against the parameter, may be negative)
+  // and replication.
+  ParamPlacement placement;
   // Where the unsharded tensor lives.
   c10::Device compute_device = c10::kCPU;
   // Where the shard and its grad live (the CPU with offload).
@@ -46,8 +60,17 @@ class ShardedParam {
   ShardedParam& operator=(const ShardedParam&) = delete;
 
   const std::string& fqn() const { return fqn_; }
+  // The parameter's own shape.
   const std::vector<int64_t>& global_shape() const { return global_shape_; }
-  int64_t rows() const { return global_shape_[0]; }
+  // The row frame's shape: global_shape() with the shard dim first ({1} for a
+  // 0-dim parameter).
+  const std::vector<int64_t>& frame_shape() const { return frame_shape_; }
+  // The shard dim, normalised (0 for a 0-dim or replicated parameter).
+  int64_t shard_dim() const { return shard_dim_; }
+  bool replicated() const { return spec_.placement.replicated; }
+  // Ranks the rows are split over: the shard group, or 1 when replicated.
+  int layout_size() const { return layout_size_; }
+  int64_t rows() const { return frame_shape_[0]; }
   int64_t padded_rows_per_rank() const { return padded_rows_; }
   int64_t row_numel() const { return row_numel_; }
   int64_t shard_numel() const {
@@ -57,6 +80,11 @@ class ShardedParam {
   int64_t row_offset() const { return row_offset_; }
   int64_t numel() const { return rows() * row_numel_; }
   const ShardedParamSpec& spec() const { return spec_; }
+
+  // A tensor in the parameter's orientation (its shape, or a shard of it along
+  // the shard dim) as a view in the row frame, and back.
+  at::Tensor ToFrame(const at::Tensor& t) const;
+  at::Tensor FromFrame(const at::Tensor& t) const;
 
   // The optimizer's leaf (valid rows, fp32 master copy). Its grad is the
   // sharded grad.
@@ -85,6 +113,8 @@ class ShardedParam {
   at::Tensor unsharded_grad() const {
     return main_grad_.defined() ? main_grad_ : module_param_.grad();
   }
+  // The same in the row frame (undefined when there is none).
+  at::Tensor unsharded_grad_rows() const;
   // Moves the module parameter's gradient into the main gradient, in `dtype`
   // (fp32 for bf16 parameters: precision holds across many microbatches),
   // adding to what it holds; the module parameter is left without a grad.
@@ -95,9 +125,10 @@ class ShardedParam {
   int64_t grad_bytes() const;
   // The unsharded part of grad_bytes(): module and main gradient.
   int64_t unsharded_grad_bytes() const;
-  // Adds `reduced` (valid rows, any dtype/device) into sharded().grad(). With
-  // `may_steal` (the caller hands over a tensor nothing else uses) it becomes
-  // the grad when there is none yet, instead of being copied.
+  // Adds `reduced` (this rank's valid rows in the row frame, any dtype/device)
+  // into sharded().grad(). With `may_steal` (the caller hands over a tensor
+  // nothing else uses) it becomes the grad when there is none yet, instead of
+  // being copied.
   void AccumulateShardedGrad(const at::Tensor& reduced, bool may_steal = false);
 
  private:
@@ -107,6 +138,9 @@ class ShardedParam {
   std::string fqn_;
   ShardedParamSpec spec_;
   std::vector<int64_t> global_shape_;
+  std::vector<int64_t> frame_shape_;
+  int64_t shard_dim_ = 0;
+  int layout_size_ = 1;
   int64_t padded_rows_ = 0;
   int64_t row_numel_ = 1;
   int64_t valid_rows_ = 0;

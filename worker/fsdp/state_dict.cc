@@ -70,6 +70,9 @@ absl::StatusOr<double> ClipGradNormGlobal(Engine& engine, double max_norm) {
     at::Tensor sum_sq = at::zeros({1}, at::TensorOptions().dtype(at::kDouble));
     for (ShardedParam* p : AllShardedParams(core)) {
       const at::Tensor& g = p->sharded().grad();
+      // A replicated parameter's whole gradient is on every rank of the shard
+      // group: counted once, by its first rank.
+      if (p->replicated() && core.shard_rank() != 0) continue;
       if (g.defined()) sum_sq += g.to(at::kCPU, at::kDouble).pow(2).sum();
     }
     // Replicas hold identical sharded grads after the all-reduce: the shard
@@ -100,8 +103,9 @@ absl::StatusOr<std::map<std::string, at::Tensor>> FullStateDict(
   const bool keep = core.global_rank() == 0;
   absl::Status s = Guard([&]() -> absl::Status {
     at::NoGradGuard no_grad;
-    const int size = core.shard_size();
     for (ShardedParam* p : AllShardedParams(core)) {
+      // A replicated parameter is whole here already.
+      const int size = p->layout_size();
       const at::Tensor shard = p->sharded_padded().to(at::kCPU).contiguous();
       at::Tensor gathered =
           size == 1 ? shard
@@ -115,9 +119,13 @@ absl::StatusOr<std::map<std::string, at::Tensor>> FullStateDict(
         if (!r.ok()) return r;
       }
       if (keep) {
-        std::vector<int64_t> shape = p->global_shape();
+        std::vector<int64_t> shape = p->frame_shape();
         shape[0] = p->padded_rows_per_rank() * size;
-        out[p->fqn()] = gathered.view(shape).narrow(0, 0, p->rows()).clone();
+        // A copy: with one rank (or a replicated parameter) `gathered` is
+        // the shard itself.
+        out[p->fqn()] =
+            p->FromFrame(gathered.view(shape).narrow(0, 0, p->rows()))
+                .clone(at::MemoryFormat::Contiguous);
       }
     }
     if (keep) {
@@ -188,7 +196,8 @@ absl::Status LoadFullStateDict(Engine& engine,
       auto it = by_name.find(name);
       if (it != by_name.end()) {
         ShardedParam* p = it->second;
-        p->sharded().copy_(t.narrow(0, p->row_offset(), p->valid_rows()));
+        p->sharded().copy_(p->FromFrame(
+            p->ToFrame(t).narrow(0, p->row_offset(), p->valid_rows())));
       } else {
         for (const auto& [n2, param] : UnmanagedParams(core)) {
           if (n2 == name) param.detach().copy_(t);
@@ -199,18 +208,30 @@ absl::Status LoadFullStateDict(Engine& engine,
   });
 }
 
-std::map<std::string, ShardedTensor> ShardedStateDict(const Engine& engine) {
+std::vector<std::pair<std::string, ShardedTensor>> ShardLayouts(
+    const Engine& engine) {
   const EngineCore& core = CoreOf(engine);
-  std::map<std::string, ShardedTensor> out;
-  at::NoGradGuard no_grad;
+  std::vector<std::pair<std::string, ShardedTensor>> out;
   for (ShardedParam* p : AllShardedParams(core)) {
     ShardedTensor st;
-    st.local = p->sharded().detach().clone();
+    st.local = p->sharded();
     st.global_shape = p->global_shape();
     st.row_offset = p->row_offset();
+    st.shard_dim = p->shard_dim();
+    st.replicated = p->replicated();
     st.shard_rank = core.shard_rank();
     st.shard_size = core.shard_size();
-    out[p->fqn()] = std::move(st);
+    out.emplace_back(p->fqn(), std::move(st));
+  }
+  return out;
+}
+
+std::map<std::string, ShardedTensor> ShardedStateDict(const Engine& engine) {
+  std::map<std::string, ShardedTensor> out;
+  at::NoGradGuard no_grad;
+  for (auto& [name, st] : ShardLayouts(engine)) {
+    st.local = st.local.detach().clone();
+    out[name] = std::move(st);
   }
   return out;
 }
@@ -228,7 +249,8 @@ absl::Status LoadShardedStateDict(
     if (st.global_shape != p->global_shape() ||
         st.shard_size != core.shard_size() ||
         st.shard_rank != core.shard_rank() ||
-        st.row_offset != p->row_offset() ||
+        st.row_offset != p->row_offset() || st.shard_dim != p->shard_dim() ||
+        st.replicated != p->replicated() ||
         st.local.sizes() != p->sharded().sizes()) {
       return absl::InvalidArgumentError(absl::StrCat(
           "shard layout of ", p->fqn(), " does not match this rank's"));

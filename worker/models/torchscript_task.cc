@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "common/status_util.h"
+#include "worker/models/placement_rule.h"
 #include "worker/models/unit_rule.h"
 
 namespace hsdp::models {
@@ -208,13 +209,17 @@ absl::StatusOr<std::unique_ptr<TorchScriptTask>> TorchScriptTask::Create(
         "--dims ", args.dims, ": a TorchScript model has its own dims"));
   }
   std::string rule = kDefaultUnitRule;
+  std::string placement_rule;
   for (const auto& [key, value] : args.options) {
-    if (key != kUnitsOption) {
+    if (key == kUnitsOption) {
+      rule = value;
+    } else if (key == kPlacementOption) {
+      placement_rule = value;
+    } else {
       return absl::InvalidArgumentError(absl::StrCat(
-          "--task-option ", key, ": a TorchScript model knows only --units (",
-          kUnitsOption, ")"));
+          "--task-option ", key, ": a TorchScript model knows only ",
+          kUnitsOption, " (--units) and ", kPlacementOption));
     }
-    rule = value;
   }
   HSDP_ASSIGN_OR_RETURN(const int version, ContentVersion(path));
 
@@ -281,8 +286,27 @@ absl::StatusOr<std::unique_ptr<TorchScriptTask>> TorchScriptTask::Create(
   task->version_ = version;
   task->seq_len_ = seq_len;
   task->unit_names_ = *std::move(units);
+  if (!placement_rule.empty()) {
+    std::vector<std::string> param_names;
+    for (const auto& p : module.named_parameters(/*recurse=*/true))
+      param_names.push_back(p.name);
+    absl::StatusOr<std::map<std::string, fsdp::ParamPlacement>> placements =
+        MatchPlacementRule(placement_rule, param_names);
+    if (!placements.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, ": --task-option ", placements.status().message()));
+    }
+    task->placements_ = *std::move(placements);
+  }
   task->unit_modules_ = std::move(unit_modules);
   return task;
+}
+
+std::optional<fsdp::ParamPlacement> TorchScriptTask::Placement(
+    const std::string& fqn, const at::Tensor& /*param*/) const {
+  auto it = placements_.find(fqn);
+  if (it == placements_.end()) return std::nullopt;
+  return it->second;
 }
 
 absl::Status TorchScriptTask::Build(const train::BuildContext& /*context*/) {

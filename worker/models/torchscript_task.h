@@ -54,7 +54,9 @@
 #include <torch/csrc/jit/api/module.h>
 #include <torch/nn/module.h>
 
+#include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -70,6 +72,9 @@ inline constexpr char kTorchScriptModelPrefix[] = "torchscript:";
 inline constexpr char kDefaultUnitRule[] = "layers.*";
 // The task-option key --units sets.
 inline constexpr char kUnitsOption[] = "units";
+// --task-option placement=RULE: parameters sharded on another dim or
+// replicated, by name (placement_rule.h); none when unset.
+inline constexpr char kPlacementOption[] = "placement";
 
 // Thread-compatible (see train::Task).
 class TorchScriptTask : public train::Task {
@@ -90,6 +95,8 @@ class TorchScriptTask : public train::Task {
       const train::BatchRequest& request) override;
   absl::StatusOr<at::Tensor> Loss(const train::Batch& batch) override;
   int64_t TokensPerSample() const override { return seq_len_; }
+  std::optional<fsdp::ParamPlacement> Placement(
+      const std::string& fqn, const at::Tensor& param) const override;
 
   // The units' module names in forward order ("layers.0", ...).
   const std::vector<std::string>& unit_names() const { return unit_names_; }
@@ -106,6 +113,8 @@ class TorchScriptTask : public train::Task {
   int version_ = 1;
   int64_t seq_len_ = 0;
   std::vector<std::string> unit_names_;
+  // From the placement option, by parameter name.
+  std::map<std::string, fsdp::ParamPlacement> placements_;
   // The units' scripted modules (handles sharing module_'s objects).
   std::vector<torch::jit::Module> unit_modules_;
   std::shared_ptr<torch::nn::Module> mirror_;

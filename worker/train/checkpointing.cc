@@ -12,6 +12,19 @@
 #include "worker/train/worker_mesh.h"
 
 namespace hsdp::train {
+
+std::vector<ckpt::LocalTensor> ParamTensors(const fsdp::Engine& engine,
+                                            CheckpointUse use) {
+  std::vector<ckpt::LocalTensor> out;
+  for (auto& [name, layout] : fsdp::ShardLayouts(engine)) {
+    if (layout.replicated && use == CheckpointUse::kSave &&
+        layout.shard_rank != 0)
+      continue;
+    out.push_back(ckpt::LocalTensor{name, layout.local, layout.global_shape,
+                                    layout.row_offset, layout.shard_dim});
+  }
+  return out;
+}
 namespace {
 
 std::string MeshName(int replicate, int shard) {
@@ -36,8 +49,7 @@ Checkpointing::Checkpointing(CheckpointingOptions options,
 }
 
 absl::StatusOr<int64_t> Checkpointing::Resume(
-    fsdp::Engine& engine, const torch::nn::Module& model,
-    torch::optim::Optimizer& optimizer) {
+    fsdp::Engine& engine, torch::optim::Optimizer& optimizer) {
   const int rank = mesh_.rank();
   if (!enabled()) {
     LOG(INFO) << "rank " << rank << " started fresh: --checkpoint-dir not set";
@@ -67,17 +79,13 @@ absl::StatusOr<int64_t> Checkpointing::Resume(
   ckpt::ReadStats stats;
   absl::Status loaded = metadata.status();
   if (loaded.ok()) {
-    absl::StatusOr<std::vector<ckpt::LocalTensor>> params =
-        ckpt::ParamShards(engine.NamedParameters(), model, mesh_.shard().rank(),
-                          mesh_.shard().size());
-    loaded = params.status();
-    if (loaded.ok()) {
-      loaded = ckpt::CheckModel(*metadata, found.dir, options_.model_name,
-                                *params, optimizer);
-    }
+    const std::vector<ckpt::LocalTensor> params =
+        ParamTensors(engine, CheckpointUse::kLoad);
+    loaded = ckpt::CheckModel(*metadata, found.dir, options_.model_name, params,
+                              optimizer);
     if (loaded.ok()) {
       loaded =
-          ckpt::LoadShards(found.dir, *metadata, *params, optimizer, &stats);
+          ckpt::LoadShards(found.dir, *metadata, params, optimizer, &stats);
     }
   }
   const absl::Status agreed =
@@ -108,7 +116,6 @@ absl::StatusOr<int64_t> Checkpointing::Resume(
 }
 
 absl::Status Checkpointing::Save(int64_t step, fsdp::Engine& engine,
-                                 const torch::nn::Module& model,
                                  torch::optim::Optimizer& optimizer,
                                  int64_t policy_version,
                                  int64_t global_batch_samples) {
@@ -117,10 +124,8 @@ absl::Status Checkpointing::Save(int64_t step, fsdp::Engine& engine,
   // what an earlier run left of this step.
   HSDP_RETURN_IF_ERROR(CheckSameOnAllRanks(mesh_, static_cast<double>(step),
                                            device_, "the checkpoint step"));
-  HSDP_ASSIGN_OR_RETURN(
-      std::vector<ckpt::LocalTensor> tensors,
-      ckpt::ParamShards(engine.NamedParameters(), model, mesh_.shard().rank(),
-                        mesh_.shard().size()));
+  std::vector<ckpt::LocalTensor> tensors =
+      ParamTensors(engine, CheckpointUse::kSave);
   std::map<std::string, int64_t> steps;
   HSDP_ASSIGN_OR_RETURN(std::vector<ckpt::LocalTensor> state,
                         ckpt::OptimizerShards(optimizer, tensors, &steps));

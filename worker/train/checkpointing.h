@@ -24,6 +24,16 @@
 
 namespace hsdp::train {
 
+// What a checkpoint's parameter tensors are taken for.
+enum class CheckpointUse { kSave, kLoad };
+
+// The engine's parameter shards (fsdp::ShardLayouts: the optimizer's own
+// leaves, no copy) as checkpoint tensors. To save, a replicated parameter is
+// taken from the first rank of the shard group only, so the checkpoint holds
+// each row once; to load, every rank reads it whole.
+std::vector<ckpt::LocalTensor> ParamTensors(const fsdp::Engine& engine,
+                                            CheckpointUse use);
+
 struct CheckpointingOptions {
   std::string root;  // empty: no checkpoints
   bool async = true;
@@ -48,14 +58,12 @@ class Checkpointing {
   // collective: every rank calls it and they agree on the step; a bad
   // checkpoint is an error on every rank, never skipped in silence.
   absl::StatusOr<int64_t> Resume(fsdp::Engine& engine,
-                                 const torch::nn::Module& model,
                                  torch::optim::Optimizer& optimizer);
 
   // Saves `step` (a collective: every rank calls it). Returns once the shards
   // are copied to host memory when async; an earlier background save's error
   // surfaces here.
   absl::Status Save(int64_t step, fsdp::Engine& engine,
-                    const torch::nn::Module& model,
                     torch::optim::Optimizer& optimizer, int64_t policy_version,
                     int64_t global_batch_samples);
 

@@ -61,11 +61,13 @@ absl::Status HealShardState(comm::Communicator& group,
                             const comm::HealRoles& roles,
                             const std::vector<at::Tensor>& params,
                             torch::optim::Optimizer& optimizer) {
+  // Bytes move as they lie: a shard on a dim other than 0 is a permuted but
+  // dense view, whose state tensors share its strides on every rank.
   for (const at::Tensor& p : params) {
-    if (!p.is_contiguous()) {
+    if (!p.is_non_overlapping_and_dense()) {
       return absl::InternalError(
           absl::StrCat("heal: a parameter shard of shape ", c10::str(p.sizes()),
-                       " is not contiguous"));
+                       " is not dense"));
     }
   }
   const bool target = IsTarget(roles, group.rank());

@@ -437,8 +437,7 @@ absl::Status ShardedRun::Enter(const Generation& g) {
     // rank builds the state itself (the seeded init, or the newest
     // checkpoint), also a rank that did so in an earlier generation, so that
     // the ranks agree on it.
-    absl::StatusOr<int64_t> start =
-        checkpointing_->Resume(*engine_, *task_->Model(), *opt_);
+    absl::StatusOr<int64_t> start = checkpointing_->Resume(*engine_, *opt_);
     if (!start.ok()) {
       return IsCommunicationCode(start.status().code())
                  ? CollectiveFailure(start.status())
@@ -630,9 +629,9 @@ absl::StatusOr<Next> ShardedRun::Step(int64_t step) {
         << " asks for a checkpoint but --checkpoint-dir is not set";
   } else if (schedule.checkpoint()) {
     const int64_t checkpoint_begin = StepTrace::Now();
-    checkpoint_status = checkpointing_->Save(step, *engine_, *task_->Model(),
-                                             *opt_, schedule.policy_version(),
-                                             global * t_.microbatch_size);
+    checkpoint_status =
+        checkpointing_->Save(step, *engine_, *opt_, schedule.policy_version(),
+                             global * t_.microbatch_size);
     trace.Add("checkpoint", checkpoint_begin, StepTrace::Now());
     saved = checkpoint_status.ok();
     if (!saved && !IsCommunicationCode(checkpoint_status.code())) {

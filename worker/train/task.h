@@ -105,6 +105,18 @@
 //    while it stays unsharded, its gradients summed over the calls and reduced
 //    once.
 //
+// Coming from FSDP2 / hyper_parallel (the whole table: worker/README.md):
+//   fully_shard(block)             a Unit<Block> wrapper returned by BuildUnit
+//   shard_placement_fn, Shard(1)   Placement() -> ParamPlacement{.shard_dim=1}
+//   replicate_params               Placement() -> {.replicated = true}
+//   set_unshard_in_backward(False) UnitSpec::unshard_in_backward = false
+//   set_reduce_scatter_unused_params  always on (see above)
+//   a module reused in one forward    supported (see above)
+//   reshard/prefetch/gradient sync    policy fields (hsdpctl), not the task's
+//   MixedPrecisionPolicy, OffloadPolicy, checkpoint_wrapper, divide factor
+//                                  worker flags (--param-dtype, --cpu-offload,
+//                                  --recompute-units, --grad-divide-factor)
+//
 // Errors. Return absl::Status; never throw (the runner still converts a stray
 // c10::Error into a status). The runner reserves ABORTED and UNAVAILABLE for
 // membership changes and the coordinator: return other codes.
@@ -124,11 +136,13 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "worker/fsdp/placement.h"
 
 namespace torch::nn {
 class Module;
@@ -139,8 +153,8 @@ class Optimizer;
 
 namespace hsdp::train {
 
-// Version of this header's contract.
-inline constexpr int kTaskApiVersion = 1;
+// Version of this header's contract (2: Task::Placement).
+inline constexpr int kTaskApiVersion = 2;
 
 // What Build() gets.
 struct BuildContext {
@@ -251,6 +265,19 @@ class Task {
   virtual absl::StatusOr<at::Tensor> Loss(const Batch& batch) = 0;
   // Tokens (or samples) per microbatch sample, for throughput reports.
   virtual int64_t TokensPerSample() const { return 1; }
+
+  // Where a parameter lives across its unit's shard group (placement.h):
+  // sharded on a dim other than 0 (FSDP2's shard_placement_fn), or kept whole
+  // on every rank with its gradient all-reduced (hyper_parallel's
+  // replicate_params). Asked for every parameter under Model(), root unit's
+  // included, by its name there (as named_parameters() gives it); it must
+  // answer the same on every rank and every call. std::nullopt (the default):
+  // sharded on dim 0. Memory changes; the numbers only in the last bits
+  // (reduction order). The reference ignores it.
+  virtual std::optional<fsdp::ParamPlacement> Placement(
+      const std::string& /*fqn*/, const at::Tensor& /*param*/) const {
+    return std::nullopt;
+  }
 
   // The optimizer over `params` (this rank's shards, or the full parameters in
   // the reference). nullptr (the default): the job's optimizer. The runner

@@ -63,7 +63,15 @@ std::vector<std::pair<std::string, at::Tensor>> UnitParameters(
 
 bool SameUnit(const fsdp::UnitInfo& a, const fsdp::UnitInfo& b) {
   return a.name == b.name && a.numel == b.numel && a.bytes == b.bytes &&
+         a.replicated_bytes == b.replicated_bytes &&
          a.param_names == b.param_names;
+}
+
+// Task::Placement as the engine asks for it.
+fsdp::PlacementFn PlacementOf(const Task& task) {
+  return [&task](const std::string& fqn, const at::Tensor& param) {
+    return task.Placement(fqn, param);
+  };
 }
 
 }  // namespace
@@ -95,7 +103,7 @@ absl::StatusOr<std::vector<fsdp::UnitInfo>> DescribeTaskUnits(
         UnitParameters(*root, spec);
     for (const auto& [name, t] : params) claimed.insert(name);
     units.push_back(fsdp::DescribeUnit(spec.name, params, options,
-                                       /*shard_size=*/1));
+                                       /*shard_size=*/1, PlacementOf(task)));
     task.ReleaseUnit(i);
   }
   std::vector<std::pair<std::string, at::Tensor>> root_params;
@@ -104,7 +112,7 @@ absl::StatusOr<std::vector<fsdp::UnitInfo>> DescribeTaskUnits(
   }
   units.insert(units.begin(),
                fsdp::DescribeUnit(kRootUnitName, root_params, options,
-                                  /*shard_size=*/1));
+                                  /*shard_size=*/1, PlacementOf(task)));
   return units;
 }
 
@@ -125,10 +133,13 @@ absl::StatusOr<std::unique_ptr<fsdp::Engine>> ShardTask(
     if (bindings != nullptr) bindings->push_back(spec.binding);
     fsdp::UnitOptions unit_options;
     unit_options.unshard_in_backward = spec.unshard_in_backward;
+    unit_options.placement = PlacementOf(task);
     HSDP_RETURN_IF_ERROR(
         engine->FullyShard(spec.modules, spec.name, unit_options).status());
   }
-  HSDP_RETURN_IF_ERROR(engine->FullyShardRoot());
+  fsdp::UnitOptions root_options;
+  root_options.placement = PlacementOf(task);
+  HSDP_RETURN_IF_ERROR(engine->FullyShardRoot(root_options));
   const std::vector<fsdp::UnitInfo> built = engine->Units();
   bool same = built.size() == described.size();
   for (size_t i = 0; same && i < built.size(); ++i)

@@ -195,12 +195,25 @@ TEST_F(RefusalTest, FlippedByteCaughtByVerifyAndLoadNamingFileAndTensor) {
 
 TEST_F(RefusalTest, UnknownFormatVersionRefused) {
   nlohmann::json j = ReadJson();
-  j["format_version"] = 2;
+  j["format_version"] = kFormatVersion + 1;
   WriteJson(j);
   absl::Status s = LoadAt1x1(root_);
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(std::string(s.message()), HasSubstr("metadata.json"));
-  EXPECT_THAT(std::string(s.message()), HasSubstr("format_version 2"));
+  EXPECT_THAT(std::string(s.message()),
+              HasSubstr(absl::StrCat("format_version ", kFormatVersion + 1)));
+}
+
+// A version-1 checkpoint cannot hold what version 2 added: a shard dim in
+// one is damage, not a layout.
+TEST_F(RefusalTest, ShardDimInVersionOneRefused) {
+  nlohmann::json j = ReadJson();
+  ASSERT_EQ(j["format_version"], 1);
+  j["tensors"][0]["shard_dim"] = 1;
+  WriteJson(j);
+  absl::Status s = LoadAt1x1(root_);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("format_version 1"));
 }
 
 TEST_F(RefusalTest, NewestIncompleteIsSkippedAndNamed) {

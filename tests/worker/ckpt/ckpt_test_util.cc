@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "worker/ckpt/state.h"
+#include "worker/train/checkpointing.h"
 
 namespace hsdp::ckpt::testing {
 
@@ -37,11 +38,7 @@ void Trainer::Step(int step, int global_batch) {
 }
 
 std::vector<LocalTensor> Trainer::Params() const {
-  absl::StatusOr<std::vector<LocalTensor>> p =
-      ParamShards(engine->NamedParameters(), *model, ctx->mesh->shard().rank(),
-                  ctx->mesh->shard().size());
-  EXPECT_TRUE(p.ok()) << p.status();
-  return p.ok() ? *p : std::vector<LocalTensor>{};
+  return train::ParamTensors(*engine, train::CheckpointUse::kSave);
 }
 
 std::vector<LocalTensor> Trainer::State(std::map<std::string, int64_t>* steps) {

@@ -73,16 +73,19 @@ const std::string& ModelsDir() {
     GTEST_SKIP() << "no python3 with torch (HSDP_TORCH_PYTHON is empty)"; \
   ASSERT_FALSE(ModelsDir().empty())
 
-train::TaskArgs Args(const std::string& file, const std::string& units = "") {
+train::TaskArgs Args(const std::string& file, const std::string& units = "",
+                     const std::string& placement = "") {
   train::TaskArgs args;
   args.model = absl::StrCat("torchscript:", ModelsDir(), "/", file);
   if (!units.empty()) args.options[kUnitsOption] = units;
+  if (!placement.empty()) args.options[kPlacementOption] = placement;
   return args;
 }
 
 std::unique_ptr<TorchScriptTask> Load(const std::string& file,
-                                      const std::string& units = "") {
-  auto task = TorchScriptTask::Create(Args(file, units));
+                                      const std::string& units = "",
+                                      const std::string& placement = "") {
+  auto task = TorchScriptTask::Create(Args(file, units, placement));
   EXPECT_TRUE(task.ok()) << task.status();
   if (!task.ok()) return nullptr;
   EXPECT_TRUE((*task)->Build(train::BuildContext{}).ok());
@@ -183,10 +186,15 @@ struct ShardingCase {
   std::string units;
   // Parameters inside the units (the rest are the root's).
   int unit_params = 0;
+  // --task-option placement=RULE (empty: none).
+  std::string placement;
+  // Of unit_params, those replicated (never gathered, never freed).
+  int replicated_unit_params = 0;
 };
 
 void PrintTo(const ShardingCase& c, std::ostream* os) {
-  *os << "--units '" << c.units << "'" << (c.recompute ? ", recompute" : "");
+  *os << "--units '" << c.units << "'" << (c.recompute ? ", recompute" : "")
+      << (c.placement.empty() ? "" : ", placement ") << c.placement;
 }
 
 class ShardedGradientsTest : public ::testing::TestWithParam<ShardingCase> {};
@@ -198,7 +206,8 @@ TEST_P(ShardedGradientsTest, ReachTheShardsAndEqualTheUnshardedOnes) {
   const std::map<std::string, at::Tensor> full = ReferenceGradients();
   std::mutex mu;
   RunOnMesh({2, 2}, [&](RankContext& rank) {
-    std::unique_ptr<TorchScriptTask> task = Load("gpt.pt", GetParam().units);
+    std::unique_ptr<TorchScriptTask> task =
+        Load("gpt.pt", GetParam().units, GetParam().placement);
     ASSERT_NE(task, nullptr);
     fsdp::EngineOptions options;
     auto described = train::DescribeTaskUnits(*task, options);
@@ -223,10 +232,13 @@ TEST_P(ShardedGradientsTest, ReachTheShardsAndEqualTheUnshardedOnes) {
     ASSERT_TRUE((*engine)->status().ok()) << (*engine)->status();
 
     std::lock_guard<std::mutex> lock(mu);
+    const auto layout = fsdp::ShardedStateDict(**engine);
     // The scripted module's own parameter tensors are the engine's: the
-    // units', resharded after backward, have their storage bytes freed.
+    // units' sharded ones, resharded after backward, have their storage bytes
+    // freed (replicated ones are never gathered).
     int freed = 0;
     for (const auto& p : task->scripted().named_parameters()) {
+      if (layout.at(p.name).replicated) continue;
       for (const std::string& unit : task->unit_names()) {
         if (p.name.rfind(unit + ".", 0) == 0) {
           EXPECT_EQ(p.value.storage().nbytes(), 0u) << p.name;
@@ -234,13 +246,16 @@ TEST_P(ShardedGradientsTest, ReachTheShardsAndEqualTheUnshardedOnes) {
         }
       }
     }
-    EXPECT_EQ(freed, GetParam().unit_params);
-    const auto layout = fsdp::ShardedStateDict(**engine);
+    EXPECT_EQ(freed,
+              GetParam().unit_params - GetParam().replicated_unit_params);
     int checked = 0;
     for (const auto& [name, shard] : (*engine)->NamedParameters()) {
       ASSERT_TRUE(shard.grad().defined()) << name;
       const fsdp::ShardedTensor& st = layout.at(name);
-      at::Tensor want = full.at(name).narrow(0, st.row_offset, shard.size(0));
+      at::Tensor want = st.replicated
+                            ? full.at(name)
+                            : full.at(name).narrow(st.shard_dim, st.row_offset,
+                                                   shard.size(st.shard_dim));
       EXPECT_TRUE(torch::allclose(shard.grad(), want, 1e-5, 1e-6))
           << name << " max diff "
           << (shard.grad() - want).abs().max().item<double>();
@@ -254,12 +269,21 @@ TEST_P(ShardedGradientsTest, ReachTheShardsAndEqualTheUnshardedOnes) {
 // same units named one by one.
 INSTANTIATE_TEST_SUITE_P(
     Units, ShardedGradientsTest,
-    ::testing::Values(ShardingCase{false, "layers.*", 36},
-                      ShardingCase{true, "layers.*", 36},
-                      ShardingCase{false, "layers.0,layers.1,layers.2", 36}),
+    ::testing::Values(
+        ShardingCase{false, "layers.*", 36, "", 0},
+        ShardingCase{true, "layers.*", 36, "", 0},
+        ShardingCase{false, "layers.0,layers.1,layers.2", 36, "", 0},
+        // Norms whole on every rank (4 per block), two weights on dim 1.
+        ShardingCase{false, "layers.*", 36,
+                     "layers.*.ln1.*=replicated,layers.*.ln2.*=replicated,"
+                     "layers.*.qkv.weight=1,layers.*.out.weight=-1",
+                     12},
+        ShardingCase{true, "layers.*", 36,
+                     "layers.*.ln1.*=replicated,layers.*.qkv.weight=1", 6}),
     [](const ::testing::TestParamInfo<ShardingCase>& info) {
       return absl::StrCat(info.param.units == "layers.*" ? "Glob" : "Listed",
-                          info.param.recompute ? "Recompute" : "");
+                          info.param.recompute ? "Recompute" : "",
+                          info.param.placement.empty() ? "" : "Placed");
     });
 
 // A scripted mixture of experts (examples/torchscript/moe.py) on a batch
@@ -368,6 +392,12 @@ TEST(TorchScriptTaskTest, BadModelsAreRefusedInOneLine) {
   ExpectRefused(Args("one_arg_forward.pt"),
                 "method 'forward' has the wrong signature");
   ExpectRefused(Args("gpt.pt", "blocks.*"), "'blocks.*' matches no submodule");
+  ExpectRefused(Args("gpt.pt", "", "blocks.*.ln1.*=replicated"),
+                "'blocks.*.ln1.*=replicated' matches no parameter");
+  ExpectRefused(Args("gpt.pt", "", "layers.*.qkv.weight=sideways"),
+                "places its parameters neither on a dim nor replicated");
+  ExpectRefused(Args("gpt.pt", "", "layers.*.qkv.*=1,layers.0.qkv.weight=0"),
+                "places layers.0.qkv.weight, which 'layers.*.qkv.*=1' placed");
   // Units that are not the stages forward runs in turn: a block left out (it
   // would silently never run), and modules inside the blocks.
   ExpectRefused(Args("gpt.pt", "layers.1"),

@@ -25,8 +25,8 @@ using ::hsdp::comm::testing::RunOnRanks;
 constexpr absl::Duration kTimeout = absl::Seconds(60);
 constexpr int kWorld = 3;
 
-// One replica: parameter shards (as an engine holds them: contiguous leaves)
-// and an optimizer over them.
+// One replica: parameter shards (as an engine holds them: leaves, one of them
+// strided) and an optimizer over them.
 struct Replica {
   std::vector<at::Tensor> params;
   std::unique_ptr<torch::optim::Optimizer> opt;
@@ -36,7 +36,10 @@ std::vector<at::Tensor> MakeParams(uint64_t seed) {
   torch::manual_seed(seed);
   return {torch::randn({7, 5}).requires_grad_(),
           torch::randn({13}).requires_grad_(),
-          torch::randn({3, 2, 2}).requires_grad_()};
+          torch::randn({3, 2, 2}).requires_grad_(),
+          // A shard on dim 1 as the engine holds it: the valid rows of its
+          // row frame, moved back to the parameter's orientation (strided).
+          torch::randn({4, 6}).narrow(0, 0, 3).t().detach().requires_grad_()};
 }
 
 std::unique_ptr<torch::optim::Optimizer> MakeOptimizer(
