@@ -18,8 +18,12 @@
 #include "absl/status/statusor.h"
 #include "common/mesh.h"
 #include "worker/comm/communicator.h"
-#include "worker/comm/gloo_communicator.h"
-#include "worker/comm/store.h"
+#include "worker/comm/gloo/gloo_options.h"
+#include "worker/comm/store/store.h"
+
+namespace gloo::transport {
+class Device;
+}  // namespace gloo::transport
 
 namespace hsdp::comm {
 

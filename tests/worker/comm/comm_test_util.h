@@ -11,9 +11,9 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "worker/comm/gloo_communicator.h"
+#include "worker/comm/gloo/gloo_communicator.h"
 #include "worker/comm/reduce_kernels.h"
-#include "worker/comm/store.h"
+#include "worker/comm/store/store.h"
 
 namespace hsdp::comm::testing {
 
@@ -96,7 +96,7 @@ inline void RunOnRanks(int world, const std::function<void(int rank)>& fn) {
 // Creates rank `rank`'s communicator on its own loopback device.
 inline absl::StatusOr<std::unique_ptr<GlooCommunicator>> MakeGloo(
     Store& store, const std::string& prefix, int rank, int world,
-    absl::Duration timeout) {
+    absl::Duration timeout, size_t pack_below_bytes = kGlooPackBelowBytes) {
   GlooDeviceOptions device_options;
   device_options.hostname = "127.0.0.1";
   absl::StatusOr<std::shared_ptr<gloo::transport::Device>> device =
@@ -105,6 +105,7 @@ inline absl::StatusOr<std::unique_ptr<GlooCommunicator>> MakeGloo(
   GlooCommunicatorOptions options;
   options.name = "gloo:test";
   options.timeout = timeout;
+  options.pack_below_bytes = pack_below_bytes;
   return GlooCommunicator::Create(store, prefix, rank, world, *device, options);
 }
 
@@ -112,10 +113,16 @@ inline absl::StatusOr<std::unique_ptr<GlooCommunicator>> MakeGloo(
 // ranks at once, so each is created on its own thread). Fails the calling test
 // on error.
 std::vector<std::unique_ptr<GlooCommunicator>> MakeGroup(
-    Store& store, const std::string& prefix, int world, absl::Duration timeout);
+    Store& store, const std::string& prefix, int world, absl::Duration timeout,
+    size_t pack_below_bytes = kGlooPackBelowBytes);
 
-// The same group with `backend` "gloo" or "shm" (Gloo wrapped in
-// ShmCommunicator; fails the calling test if shared memory is not used).
+// The same group with `backend`:
+//   "gloo"           GlooCommunicator as the mesh builds it;
+//   "gloo_unpacked"  Gloo sending every segment on its own (pack_below_bytes
+//                    0), "gloo_packed" packing every segment (SIZE_MAX): the
+//                    two ends of the packing knob, reached with any sizes;
+//   "shm"            Gloo wrapped in ShmCommunicator (fails the calling test
+//                    if shared memory is not used).
 std::vector<std::unique_ptr<Communicator>> MakeBackendGroup(
     const std::string& backend, Store& store, const std::string& prefix,
     int world, absl::Duration timeout);

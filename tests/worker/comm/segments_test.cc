@@ -12,9 +12,9 @@
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "tests/worker/comm/comm_test_util.h"
-#include "worker/comm/gloo_communicator.h"
-#include "worker/comm/in_memory_store.h"
+#include "worker/comm/gloo/gloo_communicator.h"
 #include "worker/comm/reduce_kernels.h"
+#include "worker/comm/store/in_memory_store.h"
 
 namespace hsdp::comm {
 namespace {
@@ -172,17 +172,31 @@ TEST_P(SegmentsTest, ReduceScatterMatchesRankOrderSum) {
   });
 }
 
+std::string SegmentsCaseName(
+    const ::testing::TestParamInfo<SegmentsTest::ParamType>& info) {
+  return absl::StrCat(std::get<0>(info.param), "_world",
+                      std::get<1>(info.param), "_",
+                      DataTypeName(std::get<2>(info.param)));
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Worlds, SegmentsTest,
     ::testing::Combine(::testing::Values("gloo", "shm"),
                        ::testing::Values(1, 2, 3, 4),
                        ::testing::Values(DataType::kFloat32,
                                          DataType::kBFloat16)),
-    [](const ::testing::TestParamInfo<SegmentsTest::ParamType>& info) {
-      return absl::StrCat(std::get<0>(info.param), "_world",
-                          std::get<1>(info.param), "_",
-                          DataTypeName(std::get<2>(info.param)));
-    });
+    SegmentsCaseName);
+
+// Gloo's packing threshold at both ends: every segment on its own, and every
+// segment packed into one message per peer (more than one round at world 3).
+// The messages change, the results may not.
+INSTANTIATE_TEST_SUITE_P(
+    PackingKnob, SegmentsTest,
+    ::testing::Combine(::testing::Values("gloo_unpacked", "gloo_packed"),
+                       ::testing::Values(3),
+                       ::testing::Values(DataType::kFloat32,
+                                         DataType::kBFloat16)),
+    SegmentsCaseName);
 
 class SegmentsBackendTest : public ::testing::TestWithParam<std::string> {};
 

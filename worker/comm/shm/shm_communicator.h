@@ -10,11 +10,11 @@
 // The other collectives (AllReduce, Broadcast, Barrier, flat AllGather /
 // ReduceScatter: small or rare) go to the wrapped communicator, normally Gloo.
 //
-// Region: per rank one broadcast mailbox (all-gather: written once, read by
-// every peer) and per ordered pair one mailbox (reduce-scatter: a writer's
-// contribution to one peer), each with two slots so a writer fills one while
-// readers drain the other. Slots hand over with sequence/acknowledge counters
-// and futexes (short spin, then sleep: ranks may outnumber cores).
+// Region (shm_region.h): per rank one broadcast mailbox (all-gather: written
+// once, read by every peer) and per ordered pair one mailbox (reduce-scatter:
+// a writer's contribution to one peer), each with two slots so a writer fills
+// one while readers drain the other. Slots hand over with sequence/acknowledge
+// counters and futexes (short spin, then sleep: ranks may outnumber cores).
 //
 // Failure model: every wait is bounded by the timeout and fails with
 // DEADLINE_EXCEEDED naming the collective and the rank waited for; a peer
@@ -29,8 +29,8 @@
 // issue order on this communicator's own SerialExecutor; delegated calls run on
 // the wrapped communicator's. The two never share state, and every rank issues
 // the same sequence on each, so their interleaving cannot deadlock.
-#ifndef HSDP_WORKER_COMM_SHM_COMMUNICATOR_H_
-#define HSDP_WORKER_COMM_SHM_COMMUNICATOR_H_
+#ifndef HSDP_WORKER_COMM_SHM_SHM_COMMUNICATOR_H_
+#define HSDP_WORKER_COMM_SHM_SHM_COMMUNICATOR_H_
 
 #include <cstddef>
 #include <cstdint>
@@ -42,9 +42,11 @@
 #include "absl/time/time.h"
 #include "worker/comm/communicator.h"
 #include "worker/comm/serial_executor.h"
-#include "worker/comm/store.h"
+#include "worker/comm/store/store.h"
 
 namespace hsdp::comm {
+
+class ShmRegion;
 
 struct ShmOptions {
   // Largest slot; smaller for big groups so the region stays within
@@ -120,21 +122,19 @@ class ShmCommunicator final : public Communicator {
   size_t slot_bytes() const;
 
  private:
-  class Region;
-
   ShmCommunicator(std::unique_ptr<Communicator> inner,
-                  std::shared_ptr<Region> region, absl::Duration timeout);
+                  std::shared_ptr<ShmRegion> region, absl::Duration timeout);
 
   const int rank_;
   const int size_;
   const std::string name_;
   const absl::Duration timeout_;
   std::unique_ptr<Communicator> inner_;
-  const std::shared_ptr<Region> region_;
+  const std::shared_ptr<ShmRegion> region_;
   // Runs the segment collectives in issue order; destroyed (drained) first.
   SerialExecutor executor_;
 };
 
 }  // namespace hsdp::comm
 
-#endif  // HSDP_WORKER_COMM_SHM_COMMUNICATOR_H_
+#endif  // HSDP_WORKER_COMM_SHM_SHM_COMMUNICATOR_H_

@@ -2,7 +2,7 @@
 // translation, unique-id encoding, argument checks, linkage); the rest need a
 // CUDA device and skip without one, saying why. HSDP_TEST_DEVICE=cuda:N selects
 // the device (default cuda:0); "cpu" skips the device tests.
-#include "worker/comm/nccl_communicator.h"
+#include "worker/comm/nccl/nccl_communicator.h"
 
 #include <cuda_runtime_api.h>
 #include <nccl.h>
@@ -21,8 +21,8 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "worker/comm/device_mesh.h"
-#include "worker/comm/in_memory_store.h"
 #include "worker/comm/reduce_kernels.h"
+#include "worker/comm/store/in_memory_store.h"
 
 namespace hsdp::comm {
 namespace {
