@@ -147,11 +147,11 @@ absl::StatusOr<std::unique_ptr<Communicator>> ShmCommunicator::Wrap(
 ShmCommunicator::ShmCommunicator(std::unique_ptr<Communicator> inner,
                                  std::shared_ptr<ShmRegion> region,
                                  absl::Duration timeout)
-    : rank_(inner->rank()),
-      size_(inner->size()),
-      name_(absl::StrCat("shm+", inner->name())),
+    : ForwardingCommunicator(std::move(inner)),
+      rank_(this->inner().rank()),
+      size_(this->inner().size()),
+      name_(absl::StrCat("shm+", this->inner().name())),
       timeout_(timeout),
-      inner_(std::move(inner)),
       region_(std::move(region)),
       executor_(
           [name = name_, rank = rank_, size = size_](const std::string& what) {
@@ -164,13 +164,13 @@ ShmCommunicator::~ShmCommunicator() = default;
 absl::Status ShmCommunicator::Abort(absl::string_view reason) {
   executor_.Abort(reason);
   region_->Abort(reason);
-  const absl::Status inner = inner_->Abort(reason);
+  const absl::Status inner_status = inner().Abort(reason);
   if (!executor_.WaitIdle(absl::Now() + timeout_)) {
     return absl::DeadlineExceededError(absl::StrCat(
         "Abort on ", name_, ": the running collective did not stop within ",
         absl::FormatDuration(timeout_), "; its buffers must stay alive"));
   }
-  return inner;
+  return inner_status;
 }
 
 size_t ShmCommunicator::slot_bytes() const { return region_->slot_bytes(); }
