@@ -4,6 +4,7 @@
 // concatenated layout, bit for bit; bad arguments and silent peers fail with a
 // clear error.
 #include <cmath>
+#include <memory>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -52,17 +53,25 @@ double Value(int rank, int64_t k, int64_t i) {
   return -2.0 + 4.0 * static_cast<double>(z >> 11) / 9007199254740992.0;
 }
 
+// Parameters: backend (as MakeBackendGroup takes it), world size, dtype.
 class SegmentsTest
     : public ::testing::TestWithParam<std::tuple<std::string, int, DataType>> {
+ protected:
+  int world() const { return std::get<1>(GetParam()); }
+  DataType dtype() const { return std::get<2>(GetParam()); }
+  // The group under test, its rendezvous under `prefix` in `store`.
+  std::vector<std::unique_ptr<Communicator>> MakeComms(
+      Store& store, const std::string& prefix) const {
+    return MakeBackendGroup(std::get<0>(GetParam()), store, prefix, world(),
+                            kTimeout);
+  }
 };
 
 TEST_P(SegmentsTest, AllGatherMatchesFlatAllGather) {
-  // Not a structured binding: lambdas capture those only from C++20 (clang).
-  const std::string& backend = std::get<0>(GetParam());
-  const int world = std::get<1>(GetParam());
-  const DataType dtype = std::get<2>(GetParam());
+  const int world = this->world();
+  const DataType dtype = this->dtype();
   InMemoryStore store;
-  auto comms = MakeBackendGroup(backend, store, "ag-segments", world, kTimeout);
+  auto comms = MakeComms(store, "ag-segments");
   ASSERT_EQ(comms.size(), static_cast<size_t>(world));
   RunOnRanks(world, [&](int rank) {
     Communicator& comm = *comms[rank];
@@ -111,12 +120,10 @@ TEST_P(SegmentsTest, AllGatherMatchesFlatAllGather) {
 }
 
 TEST_P(SegmentsTest, ReduceScatterMatchesRankOrderSum) {
-  // Not a structured binding: lambdas capture those only from C++20 (clang).
-  const std::string& backend = std::get<0>(GetParam());
-  const int world = std::get<1>(GetParam());
-  const DataType dtype = std::get<2>(GetParam());
+  const int world = this->world();
+  const DataType dtype = this->dtype();
   InMemoryStore store;
-  auto comms = MakeBackendGroup(backend, store, "rs-segments", world, kTimeout);
+  auto comms = MakeComms(store, "rs-segments");
   ASSERT_EQ(comms.size(), static_cast<size_t>(world));
   RunOnRanks(world, [&](int rank) {
     Communicator& comm = *comms[rank];

@@ -18,6 +18,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
@@ -97,6 +98,10 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
 
   enum class StreamKind { kParam, kGrad };
   using NcclCall = std::function<ncclResult_t(ncclComm_t, cudaStream_t)>;
+  // Runs `call` on the comm stream of `kind`, ordered after what the compute
+  // stream issued so far, and returns its Work (inside an NcclGroup, completed
+  // at the group's end). A failure completes the Work with a Status naming
+  // `what`; a fatal NCCL result aborts the communicator.
   std::unique_ptr<Work> Issue(StreamKind kind, std::string what,
                               const NcclCall& call);
 
