@@ -25,45 +25,6 @@ float BitsToFloat(uint32_t bits) {
   return value;
 }
 
-// The arithmetic of one dtype: elements stored as Storage, summed and divided
-// as Acc (float for bf16/fp16, rounded once on the way back).
-template <typename T>
-struct NativeArithmetic {
-  using Storage = T;
-  using Acc = T;
-  static Acc Load(Storage v) { return v; }
-  static Storage Store(Acc v) { return v; }
-};
-
-template <float (*ToFloat)(uint16_t), uint16_t (*FromFloat)(float)>
-struct HalfArithmetic {
-  using Storage = uint16_t;
-  using Acc = float;
-  static Acc Load(Storage v) { return ToFloat(v); }
-  static Storage Store(Acc v) { return FromFloat(v); }
-};
-
-// Calls fn(Arithmetic{}) with the arithmetic of `dtype`.
-template <typename Fn>
-void WithArithmetic(DataType dtype, Fn&& fn) {
-  switch (dtype) {
-    case DataType::kFloat32:
-      return fn(NativeArithmetic<float>{});
-    case DataType::kFloat64:
-      return fn(NativeArithmetic<double>{});
-    case DataType::kInt32:
-      return fn(NativeArithmetic<int32_t>{});
-    case DataType::kInt64:
-      return fn(NativeArithmetic<int64_t>{});
-    case DataType::kUInt8:
-      return fn(NativeArithmetic<uint8_t>{});
-    case DataType::kBFloat16:
-      return fn(HalfArithmetic<BFloat16ToFloat, FloatToBFloat16>{});
-    case DataType::kFloat16:
-      return fn(HalfArithmetic<HalfToFloat, FloatToHalf>{});
-  }
-}
-
 // Tile by tile through an accumulator that stays in L1: `out` may then be any
 // one of the inputs exactly (an in-place reduce-scatter sums into this rank's
 // own contribution), since each tile is read in full before it is written.

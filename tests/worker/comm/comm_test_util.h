@@ -33,50 +33,22 @@ class TypedBuffer {
 
   void Set(int64_t i, double value) {
     void* p = bytes_.data() + i * ElementSize(dtype_);
-    switch (dtype_) {
-      case DataType::kFloat32:
-        *static_cast<float*>(p) = static_cast<float>(value);
-        return;
-      case DataType::kFloat64:
-        *static_cast<double*>(p) = value;
-        return;
-      case DataType::kBFloat16:
-        *static_cast<uint16_t*>(p) = FloatToBFloat16(static_cast<float>(value));
-        return;
-      case DataType::kFloat16:
-        *static_cast<uint16_t*>(p) = FloatToHalf(static_cast<float>(value));
-        return;
-      case DataType::kInt32:
-        *static_cast<int32_t*>(p) = static_cast<int32_t>(value);
-        return;
-      case DataType::kInt64:
-        *static_cast<int64_t*>(p) = static_cast<int64_t>(value);
-        return;
-      case DataType::kUInt8:
-        *static_cast<uint8_t*>(p) = static_cast<uint8_t>(value);
-        return;
-    }
+    WithArithmetic(dtype_, [&](auto arithmetic) {
+      using A = decltype(arithmetic);
+      *static_cast<typename A::Storage*>(p) =
+          A::Store(static_cast<typename A::Acc>(value));
+    });
   }
 
   double Get(int64_t i) const {
     const void* p = bytes_.data() + i * ElementSize(dtype_);
-    switch (dtype_) {
-      case DataType::kFloat32:
-        return *static_cast<const float*>(p);
-      case DataType::kFloat64:
-        return *static_cast<const double*>(p);
-      case DataType::kBFloat16:
-        return BFloat16ToFloat(*static_cast<const uint16_t*>(p));
-      case DataType::kFloat16:
-        return HalfToFloat(*static_cast<const uint16_t*>(p));
-      case DataType::kInt32:
-        return *static_cast<const int32_t*>(p);
-      case DataType::kInt64:
-        return static_cast<double>(*static_cast<const int64_t*>(p));
-      case DataType::kUInt8:
-        return *static_cast<const uint8_t*>(p);
-    }
-    return 0;
+    double value = 0;
+    WithArithmetic(dtype_, [&](auto arithmetic) {
+      using A = decltype(arithmetic);
+      value = static_cast<double>(
+          A::Load(*static_cast<const typename A::Storage*>(p)));
+    });
+    return value;
   }
 
  private:
