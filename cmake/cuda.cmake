@@ -64,8 +64,8 @@ if(NOT HSDP_WITH_NCCL STREQUAL "OFF")
   endif()
 endif()
 
-# The hsdp_nccl target itself is defined next to its sources, in worker/comm/nccl.cmake (it links
-# hsdp_comm for the shared Communicator/DeviceMesh pieces); it reads HSDP_NCCL_ENABLED,
+# The hsdp_nccl target itself is defined next to its sources, in worker/comm/nccl/nccl.cmake (it
+# links hsdp_comm for the shared Communicator/DeviceMesh pieces); it reads HSDP_NCCL_ENABLED,
 # HSDP_NCCL_LIBRARY and HSDP_NCCL_INCLUDE_DIR from here.
 
 # --- CUDA LibTorch detection ----------------------------------------------------------------------

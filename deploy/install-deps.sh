@@ -53,8 +53,9 @@ if ! command -v kubectl >/dev/null 2>&1; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends kubernetes-client
 fi
 
-# Node.js (for buf lint and the manifest schema checks) ships with these machines; Debian's
-# nodejs package conflicts with it, so only install it when no node is present at all.
+# Node.js (for buf lint and the manifest schema checks) may already be installed outside Debian's
+# packages, and Debian's nodejs package conflicts with such an install, so only install it when no
+# node is present at all.
 if ! command -v npm >/dev/null 2>&1; then
   SUDO=""
   [ "$(id -u)" = 0 ] || SUDO=sudo

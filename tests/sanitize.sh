@@ -5,18 +5,19 @@
 #
 #   asan           GCC, ASan + UBSan (-fsanitize=address,undefined; any UBSan finding aborts),
 #                  the whole tree but the benchmarks in build-asan, then the fast test set
-#                  (ctest -LE slow: 494 tests). On 2 shared cores: build about 22 minutes with
-#                  some objects in ccache, 39.5 from cold; tests about 4.5 minutes at -j2
-#                  (docs/developing.md, "Sanitizers"); .ci/run runs it after ./deploy/test.sh.
+#                  (ctest -LE slow). On a 2-core machine running other builds: build about
+#                  22 minutes with some objects in ccache, 39.5 from cold; tests about 4.5
+#                  minutes at -j2 (docs/testing.md, "Sanitizers"); .ci/run runs it after
+#                  ./deploy/test.sh.
 #   asan-coordinator
 #                  the same over the torch-free half only (-DHSDP_BUILD_WORKER=OFF: coordinator,
 #                  common, hsdpctl, fuzz replays) in build-asan-coordinator: a quicker check.
 #   tsan           GCC, TSan, the whole tree but the benchmarks in build-tsan, then the
 #                  coordinator (with its e2e tests of the real hsdp-coordinator and hsdpctl),
 #                  agent, communicator, engine (multi-rank), checkpoint and model tests: labels
-#                  coordinator|comm|fsdp|worker|tsan, not slow (479 tests, about 3.5 minutes at
-#                  -j2; cold build about 16 minutes on 2 shared cores). Abseil's Mutex is
-#                  annotated for TSan by tests/tsan/absl_mutex_tsan.cc (tested by
+#                  coordinator|comm|fsdp|worker|tsan, not slow (about 3.5 minutes at -j2; cold
+#                  build about 16 minutes on a 2-core machine running other builds). Abseil's
+#                  Mutex is annotated for TSan by tests/tsan/absl_mutex_tsan.cc (tested by
 #                  absl_mutex_tsan_test); protobuf's map fields keep the uninstrumented library's
 #                  layout (tests/tsan/protobuf_map_field_abi.h); interceptor calls made by the
 #                  uninstrumented libraries themselves are not checked
@@ -26,11 +27,11 @@
 #   thread-safety  clang, -Wthread-safety as errors over every target (build-thread-safety):
 #                  checks the ABSL_GUARDED_BY / ABSL_*_LOCKS_REQUIRED annotations, and clang's
 #                  -Wall -Wextra as errors. Compile only; every finding is listed (ninja -k 0).
-#                  From cold: about 45 minutes on 2 shared cores (263 steps, three passes with
-#                  fixes between them; the LibTorch TUs dominate).
+#                  From cold: about 45 minutes on a 2-core machine running other builds (the
+#                  LibTorch TUs dominate).
 #   fuzz           clang, libFuzzer + ASan + UBSan, the fuzz targets of tests/fuzz (build-fuzz),
 #                  each run for FUZZ_SECONDS (default 60) from its seed corpus: cold build about
-#                  6.5 minutes on 2 shared cores, then FUZZ_SECONDS per target (4 targets). A
+#                  6.5 minutes on a 2-core machine, then FUZZ_SECONDS per target (4 targets). A
 #                  crash input is kept in build-fuzz/artifacts/<target>/ and the run fails; fix it
 #                  and copy the input into tests/fuzz/crashes/<target>/, where the fuzz_replay
 #                  tests replay it.

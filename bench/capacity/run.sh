@@ -9,8 +9,8 @@
 # Each size runs STEPS steps of AdamW with 4 single-threaded processes. A job "fits" when it exits 0
 # inside the cgroup; a job over the budget is OOM-killed inside the cgroup only. For every job it
 # prints the parameter count, whether it fit, the cgroup's peak (all 4 processes) and the largest
-# per-rank peak RSS. Needs root and the cgroup v1 memory controller at /sys/fs/cgroup/memory (as on
-# these machines), Debian's python3-torch, and a built hsdp-launch/worker/coordinator.
+# per-rank peak RSS. Needs root and the cgroup v1 memory controller at /sys/fs/cgroup/memory,
+# Debian's python3-torch, and a built hsdp-launch/worker/coordinator.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 BUILD_DIR="${1:-build}"
@@ -44,7 +44,7 @@ in_cgroup() {
   local cg="$CGROUP_ROOT/hsdp-capacity-$$-$RANDOM"
   mkdir "$cg"
   echo $((BUDGET_GIB * GIB)) >"$cg/memory.limit_in_bytes"
-  # No swap on these machines; set memsw too where the kernel accounts it.
+  # Swap would let a job exceed the budget: set memsw too where the kernel accounts it.
   echo $((BUDGET_GIB * GIB)) >"$cg/memory.memsw.limit_in_bytes" 2>/dev/null || true
   local rc=0
   (echo "$BASHPID" >"$cg/cgroup.procs" && exec "$@" >"$out" 2>"$log") || rc=$?

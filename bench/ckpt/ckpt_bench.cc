@@ -23,7 +23,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "worker/comm/device_mesh.h"
-#include "worker/comm/in_memory_store.h"
+#include "worker/comm/store/in_memory_store.h"
 #include "worker/fsdp/fully_shard.h"
 #include "worker/models/gpt.h"
 #include "worker/models/gpt_setup.h"

@@ -27,9 +27,9 @@
 #include "gloo/alltoall.h"
 #include "gloo/barrier.h"
 #include "gloo/rendezvous/context.h"
-#include "worker/comm/gloo_communicator.h"
-#include "worker/comm/gloo_store.h"
-#include "worker/comm/in_memory_store.h"
+#include "worker/comm/gloo/gloo_communicator.h"
+#include "worker/comm/gloo/gloo_store.h"
+#include "worker/comm/store/in_memory_store.h"
 
 namespace hsdp::comm {
 namespace {

@@ -25,9 +25,9 @@
 #include "CLI/CLI.hpp"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
-#include "worker/comm/gloo_communicator.h"
+#include "worker/comm/gloo/gloo_communicator.h"
 #include "worker/comm/heal.h"
-#include "worker/comm/in_memory_store.h"
+#include "worker/comm/store/in_memory_store.h"
 
 namespace hsdp::comm {
 namespace {

@@ -34,7 +34,7 @@
 #include "coordinator/planner.h"
 #include "hsdp/v1/schedule.pb.h"
 #include "worker/comm/device_mesh.h"
-#include "worker/comm/in_memory_store.h"
+#include "worker/comm/store/in_memory_store.h"
 #include "worker/fsdp/collectives.h"
 #include "worker/fsdp/fully_shard.h"
 #include "worker/fsdp/planner_units.h"

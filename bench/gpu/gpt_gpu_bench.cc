@@ -37,12 +37,12 @@
 #include "absl/strings/str_format.h"
 #include "hsdp/v1/schedule.pb.h"
 #include "worker/comm/device_mesh.h"
-#include "worker/comm/in_memory_store.h"
+#include "worker/comm/store/in_memory_store.h"
 #include "worker/fsdp/fully_shard.h"
 #include "worker/models/gpt.h"
 #include "worker/models/gpt_setup.h"
 #ifdef HSDP_WITH_NCCL
-#include "worker/comm/nccl_communicator.h"
+#include "worker/comm/nccl/nccl_communicator.h"
 #endif
 #ifdef HSDP_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>

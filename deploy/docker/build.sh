@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds hsdp's CPU image with podman from Debian base images made here, from the apt mirror
-# (image registries are unreachable from these machines).
+# (for machines that reach no image registry).
 #
 #   deploy/docker/build.sh            the base images when missing, then localhost/hsdp-cpu:dev
 #   deploy/docker/build.sh base       only the base images

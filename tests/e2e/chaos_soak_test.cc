@@ -1,5 +1,5 @@
 // The chaos soak (label chaos; not in the default test set, see
-// tests/e2e/CMakeLists.txt and docs/developing.md "Chaos soak"). A 2x2 job of
+// tests/e2e/CMakeLists.txt and docs/testing.md "Chaos soak"). A 2x2 job of
 // real processes, each in its own network namespace ("pod"), trains for
 // hundreds of steps while a driver injects one fault at a time:
 //   - SIGKILL or SIGSTOP (then SIGCONT) of a worker or of the coordinator;

@@ -25,8 +25,8 @@
 #include "gtest/gtest.h"
 #include "tests/worker/fsdp/fsdp_test_util.h"
 #include "worker/comm/device_mesh.h"
-#include "worker/comm/in_memory_store.h"
-#include "worker/comm/nccl_communicator.h"
+#include "worker/comm/nccl/nccl_communicator.h"
+#include "worker/comm/store/in_memory_store.h"
 #include "worker/fsdp/fully_shard.h"
 #ifdef HSDP_WITH_CUDA
 #include <c10/cuda/CUDAStream.h>

@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "worker/agent/agent.h"
-#include "worker/comm/store.h"
+#include "worker/comm/store/store.h"
 
 namespace hsdp::agent {
 

@@ -66,6 +66,12 @@ int64_t TotalCount(const std::vector<Buffer>& segments) {
   return total;
 }
 
+size_t TotalBytes(const std::vector<Buffer>& segments) {
+  size_t total = 0;
+  for (const Buffer& b : segments) total += b.bytes();
+  return total;
+}
+
 absl::Status CheckAllGatherSegments(
     const std::string& where, const std::vector<Buffer>& inputs,
     const std::vector<std::vector<Buffer>>& outputs, int size) {

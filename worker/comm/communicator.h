@@ -183,9 +183,12 @@ void ForEachSegmentPiece(const std::vector<Buffer>& segments, size_t offset,
 // at issue, unsupported calls).
 std::unique_ptr<Work> CompletedWork(absl::Status status);
 
+// For backends: the elements and the bytes of a segment list.
+int64_t TotalCount(const std::vector<Buffer>& segments);
+size_t TotalBytes(const std::vector<Buffer>& segments);
+
 // For backends: argument checks of the segment collectives, INVALID_ARGUMENT
 // prefixed with `where` and naming the offending segment and rank.
-int64_t TotalCount(const std::vector<Buffer>& segments);
 absl::Status CheckAllGatherSegments(
     const std::string& where, const std::vector<Buffer>& inputs,
     const std::vector<std::vector<Buffer>>& outputs, int size);

@@ -3,7 +3,8 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "worker/comm/shm_communicator.h"
+#include "worker/comm/gloo/gloo_communicator.h"
+#include "worker/comm/shm/shm_communicator.h"
 
 namespace hsdp::comm {
 

@@ -1,9 +1,11 @@
 // DeviceMesh: the world of ranks as replicate × shard, with rank =
-// replicate_index * shard + shard_index (the team-wide convention; "RxS" on
-// command lines). Each rank gets two communicators:
-//   shard group     — the `shard` ranks with its replicate_index (FSDP
-//   all-gather/reduce-scatter), replicate group — the `replicate` ranks with
-//   its shard_index (HSDP all-reduce).
+// replicate_index * shard + shard_index (the convention of common/mesh.h, the
+// same on both sides; "RxS" on command lines). Each rank gets two
+// communicators:
+//   shard group      the `shard` ranks with its replicate_index (FSDP
+//                    all-gather/reduce-scatter);
+//   replicate group  the `replicate` ranks with its shard_index (HSDP
+//                    all-reduce).
 // A group of size 1 still gets a communicator so the engine need not
 // special-case it.
 #ifndef HSDP_WORKER_COMM_DEVICE_MESH_H_
@@ -16,15 +18,20 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "common/mesh.h"
 #include "worker/comm/communicator.h"
-#include "worker/comm/gloo_communicator.h"
-#include "worker/comm/store.h"
+#include "worker/comm/gloo/gloo_options.h"
+#include "worker/comm/store/store.h"
+
+namespace gloo::transport {
+class Device;
+}  // namespace gloo::transport
 
 namespace hsdp::comm {
 
-// The team-wide mesh type and its arithmetic (ParseMesh, RankToCoord, ...) live
-// in common/mesh.h.
+// The mesh type and its arithmetic (ParseMesh, RankToCoord, ...), shared with
+// the coordinator, live in common/mesh.h.
 using MeshShape = ::hsdp::MeshShape;
 
 // One communication group as the factory sees it.

@@ -10,12 +10,6 @@
 namespace hsdp::comm {
 namespace {
 
-size_t TotalBytes(const std::vector<Buffer>& state) {
-  size_t total = 0;
-  for (const Buffer& b : state) total += b.bytes();
-  return total;
-}
-
 // The pieces of `state` that bytes `range` of its concatenation cover, as
 // byte buffers.
 std::vector<Buffer> Pieces(const std::vector<Buffer>& state, ByteRange range) {

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace hsdp::comm {
@@ -27,77 +28,35 @@ float BitsToFloat(uint32_t bits) {
 // Tile by tile through an accumulator that stays in L1: `out` may then be any
 // one of the inputs exactly (an in-place reduce-scatter sums into this rank's
 // own contribution), since each tile is read in full before it is written.
-template <typename T>
-void ReduceNative(const void* const* inputs, int num_inputs, int64_t count,
-                  ReduceOp op, T* out) {
-  T acc[kTileElements];
-  const T divisor = static_cast<T>(num_inputs);
+template <typename A>
+void ReduceTiles(const void* const* inputs, int num_inputs, int64_t count,
+                 ReduceOp op, void* out) {
+  using Storage = typename A::Storage;
+  using Acc = typename A::Acc;
+  Acc acc[kTileElements];
+  const Acc divisor = static_cast<Acc>(num_inputs);
+  Storage* o = static_cast<Storage*>(out);
   for (int64_t begin = 0; begin < count; begin += kTileElements) {
     const int64_t n = std::min(kTileElements, count - begin);
-    std::memcpy(acc, static_cast<const T*>(inputs[0]) + begin,
-                static_cast<size_t>(n) * sizeof(T));
+    const Storage* first = static_cast<const Storage*>(inputs[0]) + begin;
+    if constexpr (std::is_same_v<Storage, Acc>) {
+      std::memcpy(acc, first, static_cast<size_t>(n) * sizeof(Acc));
+    } else {
+      for (int64_t i = 0; i < n; ++i) acc[i] = A::Load(first[i]);
+    }
     for (int k = 1; k < num_inputs; ++k) {
-      const T* in = static_cast<const T*>(inputs[k]) + begin;
-      for (int64_t i = 0; i < n; ++i) acc[i] += in[i];
+      const Storage* in = static_cast<const Storage*>(inputs[k]) + begin;
+      for (int64_t i = 0; i < n; ++i) acc[i] += A::Load(in[i]);
     }
     if (op == ReduceOp::kAvg) {
       for (int64_t i = 0; i < n; ++i) acc[i] /= divisor;
     }
-    std::memcpy(out + begin, acc, static_cast<size_t>(n) * sizeof(T));
-  }
-}
-
-template <float (*ToFloat)(uint16_t), uint16_t (*FromFloat)(float)>
-void ReduceHalf(const void* const* inputs, int num_inputs, int64_t count,
-                ReduceOp op, uint16_t* out) {
-  float acc[kTileElements];
-  const float divisor = static_cast<float>(num_inputs);
-  for (int64_t begin = 0; begin < count; begin += kTileElements) {
-    const int64_t n = std::min(kTileElements, count - begin);
-    for (int k = 0; k < num_inputs; ++k) {
-      const uint16_t* in = static_cast<const uint16_t*>(inputs[k]) + begin;
-      if (k == 0) {
-        for (int64_t i = 0; i < n; ++i) acc[i] = ToFloat(in[i]);
-      } else {
-        for (int64_t i = 0; i < n; ++i) acc[i] += ToFloat(in[i]);
-      }
+    if constexpr (std::is_same_v<Storage, Acc>) {
+      std::memcpy(o + begin, acc, static_cast<size_t>(n) * sizeof(Acc));
+    } else {
+      for (int64_t i = 0; i < n; ++i) o[begin + i] = A::Store(acc[i]);
     }
-    if (op == ReduceOp::kAvg) {
-      for (int64_t i = 0; i < n; ++i) acc[i] /= divisor;
-    }
-    for (int64_t i = 0; i < n; ++i) out[begin + i] = FromFloat(acc[i]);
   }
-}
-
-template <typename T>
-void AddNative(void* out, const void* a, const void* b, size_t count) {
-  T* o = static_cast<T*>(out);
-  const T* x = static_cast<const T*>(a);
-  const T* y = static_cast<const T*>(b);
-  for (size_t i = 0; i < count; ++i) o[i] = x[i] + y[i];
-}
-
-template <float (*ToFloat)(uint16_t), uint16_t (*FromFloat)(float)>
-void AddHalf(void* out, const void* a, const void* b, size_t count) {
-  uint16_t* o = static_cast<uint16_t*>(out);
-  const uint16_t* x = static_cast<const uint16_t*>(a);
-  const uint16_t* y = static_cast<const uint16_t*>(b);
-  for (size_t i = 0; i < count; ++i)
-    o[i] = FromFloat(ToFloat(x[i]) + ToFloat(y[i]));
-}
-
-template <typename T>
-void DivideNative(void* data, int64_t count, int divisor) {
-  T* d = static_cast<T*>(data);
-  const T div = static_cast<T>(divisor);
-  for (int64_t i = 0; i < count; ++i) d[i] /= div;
-}
-
-template <float (*ToFloat)(uint16_t), uint16_t (*FromFloat)(float)>
-void DivideHalf(void* data, int64_t count, int divisor) {
-  uint16_t* d = static_cast<uint16_t*>(data);
-  const float div = static_cast<float>(divisor);
-  for (int64_t i = 0; i < count; ++i) d[i] = FromFloat(ToFloat(d[i]) / div);
 }
 
 }  // namespace
@@ -160,29 +119,9 @@ uint16_t FloatToHalf(float value) {
 void ReduceBuffers(const void* const* inputs, int num_inputs, int64_t count,
                    DataType dtype, ReduceOp op, void* out) {
   if (num_inputs < 1 || count <= 0) return;
-  switch (dtype) {
-    case DataType::kFloat32:
-      return ReduceNative(inputs, num_inputs, count, op,
-                          static_cast<float*>(out));
-    case DataType::kFloat64:
-      return ReduceNative(inputs, num_inputs, count, op,
-                          static_cast<double*>(out));
-    case DataType::kInt32:
-      return ReduceNative(inputs, num_inputs, count, op,
-                          static_cast<int32_t*>(out));
-    case DataType::kInt64:
-      return ReduceNative(inputs, num_inputs, count, op,
-                          static_cast<int64_t*>(out));
-    case DataType::kUInt8:
-      return ReduceNative(inputs, num_inputs, count, op,
-                          static_cast<uint8_t*>(out));
-    case DataType::kBFloat16:
-      return ReduceHalf<BFloat16ToFloat, FloatToBFloat16>(
-          inputs, num_inputs, count, op, static_cast<uint16_t*>(out));
-    case DataType::kFloat16:
-      return ReduceHalf<HalfToFloat, FloatToHalf>(inputs, num_inputs, count, op,
-                                                  static_cast<uint16_t*>(out));
-  }
+  WithArithmetic(dtype, [&](auto arithmetic) {
+    ReduceTiles<decltype(arithmetic)>(inputs, num_inputs, count, op, out);
+  });
 }
 
 void ReduceChunks(const void* chunks, int num_chunks, int64_t count,
@@ -196,41 +135,25 @@ void ReduceChunks(const void* chunks, int num_chunks, int64_t count,
 
 void AddBuffers(DataType dtype, void* out, const void* a, const void* b,
                 size_t count) {
-  switch (dtype) {
-    case DataType::kFloat32:
-      return AddNative<float>(out, a, b, count);
-    case DataType::kFloat64:
-      return AddNative<double>(out, a, b, count);
-    case DataType::kInt32:
-      return AddNative<int32_t>(out, a, b, count);
-    case DataType::kInt64:
-      return AddNative<int64_t>(out, a, b, count);
-    case DataType::kUInt8:
-      return AddNative<uint8_t>(out, a, b, count);
-    case DataType::kBFloat16:
-      return AddHalf<BFloat16ToFloat, FloatToBFloat16>(out, a, b, count);
-    case DataType::kFloat16:
-      return AddHalf<HalfToFloat, FloatToHalf>(out, a, b, count);
-  }
+  WithArithmetic(dtype, [&](auto arithmetic) {
+    using A = decltype(arithmetic);
+    using Storage = typename A::Storage;
+    Storage* o = static_cast<Storage*>(out);
+    const Storage* x = static_cast<const Storage*>(a);
+    const Storage* y = static_cast<const Storage*>(b);
+    for (size_t i = 0; i < count; ++i)
+      o[i] = A::Store(A::Load(x[i]) + A::Load(y[i]));
+  });
 }
 
 void DivideBuffer(DataType dtype, void* data, int64_t count, int divisor) {
-  switch (dtype) {
-    case DataType::kFloat32:
-      return DivideNative<float>(data, count, divisor);
-    case DataType::kFloat64:
-      return DivideNative<double>(data, count, divisor);
-    case DataType::kInt32:
-      return DivideNative<int32_t>(data, count, divisor);
-    case DataType::kInt64:
-      return DivideNative<int64_t>(data, count, divisor);
-    case DataType::kUInt8:
-      return DivideNative<uint8_t>(data, count, divisor);
-    case DataType::kBFloat16:
-      return DivideHalf<BFloat16ToFloat, FloatToBFloat16>(data, count, divisor);
-    case DataType::kFloat16:
-      return DivideHalf<HalfToFloat, FloatToHalf>(data, count, divisor);
-  }
+  WithArithmetic(dtype, [&](auto arithmetic) {
+    using A = decltype(arithmetic);
+    using Storage = typename A::Storage;
+    Storage* d = static_cast<Storage*>(data);
+    const typename A::Acc div = static_cast<typename A::Acc>(divisor);
+    for (int64_t i = 0; i < count; ++i) d[i] = A::Store(A::Load(d[i]) / div);
+  });
 }
 
 }  // namespace hsdp::comm

@@ -8,8 +8,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_util.h"
+#include "worker/comm/gloo/gloo_communicator.h"
 #if defined(HSDP_WITH_NCCL)
-#include "worker/comm/nccl_communicator.h"
+#include "worker/comm/nccl/nccl_communicator.h"
 #endif
 
 namespace hsdp::train {

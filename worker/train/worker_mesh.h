@@ -12,7 +12,7 @@
 
 #include "absl/status/statusor.h"
 #include "worker/comm/device_mesh.h"
-#include "worker/comm/store.h"
+#include "worker/comm/store/store.h"
 #include "worker/train/runner.h"
 
 namespace hsdp::train {

@@ -20,8 +20,8 @@
 #include "tests/worker/comm/comm_test_util.h"
 #include "tests/worker/comm/kill_test_ops.h"
 #include "worker/comm/device_mesh.h"
-#include "worker/comm/file_store.h"
-#include "worker/comm/in_memory_store.h"
+#include "worker/comm/store/file_store.h"
+#include "worker/comm/store/in_memory_store.h"
 
 namespace hsdp::comm {
 namespace {

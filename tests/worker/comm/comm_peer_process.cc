@@ -14,9 +14,9 @@
 #include <string>
 
 #include "tests/worker/comm/kill_test_ops.h"
-#include "worker/comm/file_store.h"
-#include "worker/comm/gloo_communicator.h"
-#include "worker/comm/shm_communicator.h"
+#include "worker/comm/gloo/gloo_communicator.h"
+#include "worker/comm/shm/shm_communicator.h"
+#include "worker/comm/store/file_store.h"
 
 int main(int argc, char** argv) {
   using namespace hsdp::comm;

@@ -6,7 +6,7 @@
 
 #include "gtest/gtest.h"
 #include "tests/worker/comm/comm_test_util.h"
-#include "worker/comm/in_memory_store.h"
+#include "worker/comm/store/in_memory_store.h"
 
 namespace hsdp::comm {
 namespace {

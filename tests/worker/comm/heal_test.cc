@@ -11,7 +11,8 @@
 
 #include "gtest/gtest.h"
 #include "tests/worker/comm/comm_test_util.h"
-#include "worker/comm/in_memory_store.h"
+#include "worker/comm/forwarding_communicator.h"
+#include "worker/comm/store/in_memory_store.h"
 
 namespace hsdp::comm {
 namespace {
@@ -44,34 +45,23 @@ TEST(HealPartTest, PartsCoverTheStateAlignedAndBalanced) {
 }
 
 // Forwards to a Gloo communicator but offers no SendRecv, so HealState takes
-// its broadcast path (as on NCCL).
-class NoSendRecv final : public Communicator {
+// its broadcast path (as on NCCL), and counts the broadcasts.
+class NoSendRecv final : public ForwardingCommunicator {
  public:
   explicit NoSendRecv(std::unique_ptr<Communicator> inner)
-      : inner_(std::move(inner)) {}
-  int rank() const override { return inner_->rank(); }
-  int size() const override { return inner_->size(); }
+      : ForwardingCommunicator(std::move(inner)) {}
   std::string name() const override { return "broadcast-only"; }
-  std::unique_ptr<Work> AllGather(const Buffer& in,
-                                  const Buffer& out) override {
-    return inner_->AllGather(in, out);
-  }
-  std::unique_ptr<Work> ReduceScatter(const Buffer& in, const Buffer& out,
-                                      ReduceOp op) override {
-    return inner_->ReduceScatter(in, out, op);
-  }
-  std::unique_ptr<Work> AllReduce(const Buffer& b, ReduceOp op) override {
-    return inner_->AllReduce(b, op);
+  bool SupportsSendRecv() const override { return false; }
+  std::unique_ptr<Work> SendRecv(
+      const std::vector<PeerTransfer>& sends,
+      const std::vector<PeerTransfer>& recvs) override {
+    return Communicator::SendRecv(sends, recvs);
   }
   std::unique_ptr<Work> Broadcast(const Buffer& b, int root) override {
     ++broadcasts;
-    return inner_->Broadcast(b, root);
+    return ForwardingCommunicator::Broadcast(b, root);
   }
-  std::unique_ptr<Work> Barrier() override { return inner_->Barrier(); }
   int broadcasts = 0;
-
- private:
-  std::unique_ptr<Communicator> inner_;
 };
 
 // splitmix64: cheap, distinct bytes everywhere.

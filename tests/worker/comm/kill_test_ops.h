@@ -11,9 +11,9 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "tests/worker/comm/comm_test_util.h"
-#include "worker/comm/gloo_communicator.h"
-#include "worker/comm/shm_communicator.h"
-#include "worker/comm/store.h"
+#include "worker/comm/gloo/gloo_communicator.h"
+#include "worker/comm/shm/shm_communicator.h"
+#include "worker/comm/store/store.h"
 
 namespace hsdp::comm::testing {
 

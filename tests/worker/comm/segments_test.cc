@@ -4,6 +4,7 @@
 // concatenated layout, bit for bit; bad arguments and silent peers fail with a
 // clear error.
 #include <cmath>
+#include <memory>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -12,9 +13,9 @@
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "tests/worker/comm/comm_test_util.h"
-#include "worker/comm/gloo_communicator.h"
-#include "worker/comm/in_memory_store.h"
+#include "worker/comm/gloo/gloo_communicator.h"
 #include "worker/comm/reduce_kernels.h"
+#include "worker/comm/store/in_memory_store.h"
 
 namespace hsdp::comm {
 namespace {
@@ -52,17 +53,25 @@ double Value(int rank, int64_t k, int64_t i) {
   return -2.0 + 4.0 * static_cast<double>(z >> 11) / 9007199254740992.0;
 }
 
+// Parameters: backend (as MakeBackendGroup takes it), world size, dtype.
 class SegmentsTest
     : public ::testing::TestWithParam<std::tuple<std::string, int, DataType>> {
+ protected:
+  int world() const { return std::get<1>(GetParam()); }
+  DataType dtype() const { return std::get<2>(GetParam()); }
+  // The group under test, its rendezvous under `prefix` in `store`.
+  std::vector<std::unique_ptr<Communicator>> MakeComms(
+      Store& store, const std::string& prefix) const {
+    return MakeBackendGroup(std::get<0>(GetParam()), store, prefix, world(),
+                            kTimeout);
+  }
 };
 
 TEST_P(SegmentsTest, AllGatherMatchesFlatAllGather) {
-  // Not a structured binding: lambdas capture those only from C++20 (clang).
-  const std::string& backend = std::get<0>(GetParam());
-  const int world = std::get<1>(GetParam());
-  const DataType dtype = std::get<2>(GetParam());
+  const int world = this->world();
+  const DataType dtype = this->dtype();
   InMemoryStore store;
-  auto comms = MakeBackendGroup(backend, store, "ag-segments", world, kTimeout);
+  auto comms = MakeComms(store, "ag-segments");
   ASSERT_EQ(comms.size(), static_cast<size_t>(world));
   RunOnRanks(world, [&](int rank) {
     Communicator& comm = *comms[rank];
@@ -111,12 +120,10 @@ TEST_P(SegmentsTest, AllGatherMatchesFlatAllGather) {
 }
 
 TEST_P(SegmentsTest, ReduceScatterMatchesRankOrderSum) {
-  // Not a structured binding: lambdas capture those only from C++20 (clang).
-  const std::string& backend = std::get<0>(GetParam());
-  const int world = std::get<1>(GetParam());
-  const DataType dtype = std::get<2>(GetParam());
+  const int world = this->world();
+  const DataType dtype = this->dtype();
   InMemoryStore store;
-  auto comms = MakeBackendGroup(backend, store, "rs-segments", world, kTimeout);
+  auto comms = MakeComms(store, "rs-segments");
   ASSERT_EQ(comms.size(), static_cast<size_t>(world));
   RunOnRanks(world, [&](int rank) {
     Communicator& comm = *comms[rank];
@@ -172,17 +179,31 @@ TEST_P(SegmentsTest, ReduceScatterMatchesRankOrderSum) {
   });
 }
 
+std::string SegmentsCaseName(
+    const ::testing::TestParamInfo<SegmentsTest::ParamType>& info) {
+  return absl::StrCat(std::get<0>(info.param), "_world",
+                      std::get<1>(info.param), "_",
+                      DataTypeName(std::get<2>(info.param)));
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Worlds, SegmentsTest,
     ::testing::Combine(::testing::Values("gloo", "shm"),
                        ::testing::Values(1, 2, 3, 4),
                        ::testing::Values(DataType::kFloat32,
                                          DataType::kBFloat16)),
-    [](const ::testing::TestParamInfo<SegmentsTest::ParamType>& info) {
-      return absl::StrCat(std::get<0>(info.param), "_world",
-                          std::get<1>(info.param), "_",
-                          DataTypeName(std::get<2>(info.param)));
-    });
+    SegmentsCaseName);
+
+// Gloo's packing threshold at both ends: every segment on its own, and every
+// segment packed into one message per peer (more than one round at world 3).
+// The messages change, the results may not.
+INSTANTIATE_TEST_SUITE_P(
+    PackingKnob, SegmentsTest,
+    ::testing::Combine(::testing::Values("gloo_unpacked", "gloo_packed"),
+                       ::testing::Values(3),
+                       ::testing::Values(DataType::kFloat32,
+                                         DataType::kBFloat16)),
+    SegmentsCaseName);
 
 class SegmentsBackendTest : public ::testing::TestWithParam<std::string> {};
 

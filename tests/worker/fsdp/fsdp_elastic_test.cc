@@ -18,7 +18,7 @@
 #include "tests/worker/fsdp/fsdp_test_util.h"
 #include "tests/worker/fsdp/recording_communicator.h"
 #include "worker/comm/device_mesh.h"
-#include "worker/comm/in_memory_store.h"
+#include "worker/comm/store/in_memory_store.h"
 #include "worker/fsdp/fully_shard.h"
 
 namespace hsdp::fsdp::testing {

@@ -13,7 +13,7 @@
 
 #include "tests/worker/fsdp/fsdp_test_util.h"
 #include "worker/comm/device_mesh.h"
-#include "worker/comm/file_store.h"
+#include "worker/comm/store/file_store.h"
 
 namespace hsdp::fsdp::testing {
 namespace {

@@ -9,7 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "coordinator/planner.h"
-#include "worker/comm/in_memory_store.h"
+#include "worker/comm/store/in_memory_store.h"
 #include "worker/fsdp/planner_units.h"
 
 namespace hsdp::fsdp::testing {

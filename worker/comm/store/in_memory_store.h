@@ -1,7 +1,7 @@
 // An in-process rendezvous Store for tests and single-process multi-rank runs
 // (ranks as threads).
-#ifndef HSDP_WORKER_COMM_IN_MEMORY_STORE_H_
-#define HSDP_WORKER_COMM_IN_MEMORY_STORE_H_
+#ifndef HSDP_WORKER_COMM_STORE_IN_MEMORY_STORE_H_
+#define HSDP_WORKER_COMM_STORE_IN_MEMORY_STORE_H_
 
 #include <map>
 #include <string>
@@ -12,7 +12,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "worker/comm/store.h"
+#include "worker/comm/store/store.h"
 
 namespace hsdp::comm {
 
@@ -40,4 +40,4 @@ class InMemoryStore final : public Store {
 
 }  // namespace hsdp::comm
 
-#endif  // HSDP_WORKER_COMM_IN_MEMORY_STORE_H_
+#endif  // HSDP_WORKER_COMM_STORE_IN_MEMORY_STORE_H_

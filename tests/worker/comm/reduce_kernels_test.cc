@@ -1,88 +1,17 @@
-// InMemoryStore, the Gloo store adapter and the reduction kernels,
-// single-threaded where possible.
+// The reduction kernels of the CPU backends (half-precision conversions, sums
+// in rank order, in place), and the dtype table they switch on.
+#include "worker/comm/reduce_kernels.h"
+
 #include <cmath>
 #include <cstdint>
 #include <limits>
-#include <string>
-#include <thread>
 #include <vector>
 
-#include "absl/time/clock.h"
-#include "gloo/common/error.h"
 #include "gtest/gtest.h"
 #include "worker/comm/communicator.h"
-#include "worker/comm/gloo_store.h"
-#include "worker/comm/in_memory_store.h"
-#include "worker/comm/reduce_kernels.h"
 
 namespace hsdp::comm {
 namespace {
-
-TEST(InMemoryStoreTest, GetBlocksUntilSetFromAnotherThread) {
-  InMemoryStore store;
-  std::thread setter([&] {
-    absl::SleepFor(absl::Milliseconds(50));
-    ASSERT_TRUE(store.Set("a/b", std::string("v\0w", 3)).ok());
-  });
-  absl::StatusOr<std::string> value = store.Get("a/b", absl::Seconds(10));
-  setter.join();
-  ASSERT_TRUE(value.ok()) << value.status();
-  EXPECT_EQ(*value, std::string("v\0w", 3));  // binary-safe
-  EXPECT_EQ(store.size(), 1u);
-}
-
-TEST(InMemoryStoreTest, WaitTimesOutNamingMissingKeys) {
-  InMemoryStore store;
-  ASSERT_TRUE(store.Set("present", "1").ok());
-  const absl::Time start = absl::Now();
-  absl::Status status =
-      store.Wait({"present", "missing/7"}, absl::Milliseconds(100));
-  EXPECT_GE(absl::Now() - start, absl::Milliseconds(100));
-  EXPECT_EQ(status.code(), absl::StatusCode::kDeadlineExceeded);
-  EXPECT_NE(status.message().find("missing/7"), std::string::npos) << status;
-  EXPECT_EQ(status.message().find("present"), std::string::npos) << status;
-  EXPECT_EQ(store.Get("nope", absl::Milliseconds(10)).status().code(),
-            absl::StatusCode::kDeadlineExceeded);
-}
-
-TEST(GlooStoreAdapterTest, PrefixesKeysAndHonoursTimeout) {
-  InMemoryStore store;
-  GlooStoreAdapter adapter(store, "job/shard/0", absl::Seconds(5));
-  adapter.set("3", {'x', '\0', 'y'});
-  absl::StatusOr<std::string> raw =
-      store.Get("job/shard/0/3", absl::ZeroDuration());
-  ASSERT_TRUE(raw.ok()) << raw.status();
-  EXPECT_EQ(*raw, std::string("x\0y", 3));
-  EXPECT_EQ(adapter.get("3"), std::vector<char>({'x', '\0', 'y'}));
-  EXPECT_TRUE(adapter.first_error().ok());
-
-  const absl::Time start = absl::Now();
-  EXPECT_THROW(adapter.wait({"3", "4"}, std::chrono::milliseconds(100)),
-               gloo::IoException);
-  EXPECT_LT(absl::Now() - start,
-            absl::Seconds(2));  // not the 5 s default: the override is used
-  EXPECT_EQ(adapter.first_error().code(), absl::StatusCode::kDeadlineExceeded);
-  EXPECT_NE(adapter.first_error().message().find("job/shard/0/4"),
-            std::string::npos);
-}
-
-// One deadline for the adapter's whole life: a rendezvous waiting on several
-// absent peers one after another still ends after `timeout`, not a multiple.
-TEST(GlooStoreAdapterTest, DeadlineBoundsSuccessiveWaits) {
-  constexpr absl::Duration kTimeout = absl::Milliseconds(300);
-  InMemoryStore store;
-  GlooStoreAdapter adapter(store, "p", kTimeout);
-  const absl::Time start = absl::Now();
-  EXPECT_THROW(adapter.wait({"1"}), gloo::IoException);
-  EXPECT_GE(absl::Now() - start, kTimeout - absl::Milliseconds(50));
-  const absl::Time second = absl::Now();
-  EXPECT_THROW(adapter.wait({"2"}, std::chrono::seconds(10)),
-               gloo::IoException);
-  EXPECT_THROW(adapter.get("3"), gloo::IoException);
-  EXPECT_LT(absl::Now() - second, absl::Milliseconds(200));
-  EXPECT_NE(adapter.first_error().message().find("p/1"), std::string::npos)
-      << adapter.first_error();
-}
 
 TEST(ReduceKernelsTest, HalfPrecisionConversions) {
   // bf16: exact values, round-to-nearest-even, NaN.

@@ -2,7 +2,7 @@
 // translation, unique-id encoding, argument checks, linkage); the rest need a
 // CUDA device and skip without one, saying why. HSDP_TEST_DEVICE=cuda:N selects
 // the device (default cuda:0); "cpu" skips the device tests.
-#include "worker/comm/nccl_communicator.h"
+#include "worker/comm/nccl/nccl_communicator.h"
 
 #include <cuda_runtime_api.h>
 #include <nccl.h>
@@ -21,8 +21,8 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "worker/comm/device_mesh.h"
-#include "worker/comm/in_memory_store.h"
 #include "worker/comm/reduce_kernels.h"
+#include "worker/comm/store/in_memory_store.h"
 
 namespace hsdp::comm {
 namespace {
@@ -241,6 +241,13 @@ std::unique_ptr<NcclCommunicator> MakeSingleRank(Store& store, int device,
   return comm.ok() ? *std::move(comm) : nullptr;
 }
 
+// What a small all-reduce on `comm` returns (after an abort: the error every
+// later collective gets).
+absl::Status AllReduceStatus(NcclCommunicator& comm) {
+  DeviceBuffer buffer(DataType::kFloat32, 16);
+  return comm.AllReduce(buffer.buffer(), ReduceOp::kSum)->Wait();
+}
+
 class NcclDeviceTest : public ::testing::TestWithParam<DataType> {};
 
 // World size 1 (NCCL refuses two ranks on one GPU): every collective is an
@@ -362,9 +369,7 @@ TEST(NcclDeviceOnlyTest, AbortFailsLaterCollectivesNamingTheReason) {
       MakeSingleRank(store, device, "abort");
   ASSERT_NE(comm, nullptr);
   comm->Abort(absl::UnavailableError("peer 3 left the job"));
-  DeviceBuffer buffer(DataType::kFloat32, 16);
-  absl::Status status =
-      comm->AllReduce(buffer.buffer(), ReduceOp::kSum)->Wait();
+  const absl::Status status = AllReduceStatus(*comm);
   EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable);
   EXPECT_THAT(std::string(status.message()), HasSubstr("all_reduce"));
   EXPECT_THAT(std::string(status.message()), HasSubstr("peer 3 left the job"));
@@ -380,9 +385,7 @@ TEST(NcclDeviceOnlyTest, InterfaceAbortFailsLaterCollectivesWithAborted) {
   ASSERT_TRUE(generic.Abort("generation 3 ended").ok());
   // Idempotent.
   ASSERT_TRUE(generic.Abort("again").ok());
-  DeviceBuffer buffer(DataType::kFloat32, 16);
-  absl::Status status =
-      comm->AllReduce(buffer.buffer(), ReduceOp::kSum)->Wait();
+  const absl::Status status = AllReduceStatus(*comm);
   EXPECT_EQ(status.code(), absl::StatusCode::kAborted);
   EXPECT_THAT(std::string(status.message()), HasSubstr("generation 3 ended"));
 }

@@ -1,4 +1,4 @@
-#include "worker/comm/file_store.h"
+#include "worker/comm/store/file_store.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>

@@ -1,8 +1,8 @@
 // Adapts an hsdp::comm::Store to gloo::rendezvous::Store so Gloo's
 // connectFullMesh can rendezvous through it (the coordinator's key-value store
 // in production, InMemoryStore in tests).
-#ifndef HSDP_WORKER_COMM_GLOO_STORE_H_
-#define HSDP_WORKER_COMM_GLOO_STORE_H_
+#ifndef HSDP_WORKER_COMM_GLOO_GLOO_STORE_H_
+#define HSDP_WORKER_COMM_GLOO_GLOO_STORE_H_
 
 #include <chrono>
 #include <string>
@@ -13,7 +13,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "gloo/rendezvous/store.h"
-#include "worker/comm/store.h"
+#include "worker/comm/store/store.h"
 
 namespace hsdp::comm {
 
@@ -64,4 +64,4 @@ class GlooStoreAdapter final : public gloo::rendezvous::Store {
 
 }  // namespace hsdp::comm
 
-#endif  // HSDP_WORKER_COMM_GLOO_STORE_H_
+#endif  // HSDP_WORKER_COMM_GLOO_GLOO_STORE_H_

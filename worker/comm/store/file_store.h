@@ -2,8 +2,8 @@
 // filesystem) through a directory: one file per key, like torch's FileStore.
 // Used by multi-process tests and single-host launches that have no
 // coordinator.
-#ifndef HSDP_WORKER_COMM_FILE_STORE_H_
-#define HSDP_WORKER_COMM_FILE_STORE_H_
+#ifndef HSDP_WORKER_COMM_STORE_FILE_STORE_H_
+#define HSDP_WORKER_COMM_STORE_FILE_STORE_H_
 
 #include <string>
 #include <utility>
@@ -12,7 +12,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "worker/comm/store.h"
+#include "worker/comm/store/store.h"
 
 namespace hsdp::comm {
 
@@ -53,4 +53,4 @@ class FileStore final : public Store {
 
 }  // namespace hsdp::comm
 
-#endif  // HSDP_WORKER_COMM_FILE_STORE_H_
+#endif  // HSDP_WORKER_COMM_STORE_FILE_STORE_H_

@@ -1,7 +1,7 @@
 // ShmCommunicator specifics: when it falls back to the wrapped communicator,
 // what it delegates, how it names its failures, and a peer process that dies
 // mid-collective. (Its collectives' results are pinned in segments_test.cc.)
-#include "worker/comm/shm_communicator.h"
+#include "worker/comm/shm/shm_communicator.h"
 
 #include <sys/wait.h>
 #include <unistd.h>
@@ -15,8 +15,8 @@
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "tests/worker/comm/comm_test_util.h"
-#include "worker/comm/file_store.h"
-#include "worker/comm/in_memory_store.h"
+#include "worker/comm/store/file_store.h"
+#include "worker/comm/store/in_memory_store.h"
 
 namespace hsdp::comm {
 namespace {

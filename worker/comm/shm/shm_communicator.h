@@ -10,11 +10,11 @@
 // The other collectives (AllReduce, Broadcast, Barrier, flat AllGather /
 // ReduceScatter: small or rare) go to the wrapped communicator, normally Gloo.
 //
-// Region: per rank one broadcast mailbox (all-gather: written once, read by
-// every peer) and per ordered pair one mailbox (reduce-scatter: a writer's
-// contribution to one peer), each with two slots so a writer fills one while
-// readers drain the other. Slots hand over with sequence/acknowledge counters
-// and futexes (short spin, then sleep: ranks may outnumber cores).
+// Region (shm_region.h): per rank one broadcast mailbox (all-gather: written
+// once, read by every peer) and per ordered pair one mailbox (reduce-scatter:
+// a writer's contribution to one peer), each with two slots so a writer fills
+// one while readers drain the other. Slots hand over with sequence/acknowledge
+// counters and futexes (short spin, then sleep: ranks may outnumber cores).
 //
 // Failure model: every wait is bounded by the timeout and fails with
 // DEADLINE_EXCEEDED naming the collective and the rank waited for; a peer
@@ -26,11 +26,12 @@
 // milliseconds (every sleeper on the region is woken).
 //
 // Thread-safety: as Communicator. Segment collectives run one at a time in
-// issue order on this communicator's own SerialExecutor; delegated calls run on
-// the wrapped communicator's. The two never share state, and every rank issues
-// the same sequence on each, so their interleaving cannot deadlock.
-#ifndef HSDP_WORKER_COMM_SHM_COMMUNICATOR_H_
-#define HSDP_WORKER_COMM_SHM_COMMUNICATOR_H_
+// issue order on this communicator's own SerialExecutor; delegated calls
+// (ForwardingCommunicator) run on the wrapped communicator's. The two never
+// share state, and every rank issues the same sequence on each, so their
+// interleaving cannot deadlock.
+#ifndef HSDP_WORKER_COMM_SHM_SHM_COMMUNICATOR_H_
+#define HSDP_WORKER_COMM_SHM_SHM_COMMUNICATOR_H_
 
 #include <cstddef>
 #include <cstdint>
@@ -41,10 +42,13 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "worker/comm/communicator.h"
+#include "worker/comm/forwarding_communicator.h"
 #include "worker/comm/serial_executor.h"
-#include "worker/comm/store.h"
+#include "worker/comm/store/store.h"
 
 namespace hsdp::comm {
+
+class ShmRegion;
 
 struct ShmOptions {
   // Largest slot; smaller for big groups so the region stays within
@@ -57,7 +61,7 @@ struct ShmOptions {
   absl::Duration timeout = absl::Seconds(30);
 };
 
-class ShmCommunicator final : public Communicator {
+class ShmCommunicator final : public ForwardingCommunicator {
  public:
   // Collective: every rank of `inner`'s group calls it with the same `prefix`
   // (distinct per group and generation). Creates and maps the group's region
@@ -75,32 +79,11 @@ class ShmCommunicator final : public Communicator {
   // Drains the queued collectives, then unmaps the region.
   ~ShmCommunicator() override;
 
-  int rank() const override { return rank_; }
-  int size() const override { return size_; }
   // "shm+<inner name>", e.g. "shm+gloo:shard".
   std::string name() const override { return name_; }
 
-  std::unique_ptr<Work> AllGather(const Buffer& input,
-                                  const Buffer& output) override {
-    return inner_->AllGather(input, output);
-  }
-  std::unique_ptr<Work> ReduceScatter(const Buffer& input, const Buffer& output,
-                                      ReduceOp op) override {
-    return inner_->ReduceScatter(input, output, op);
-  }
-  std::unique_ptr<Work> AllReduce(const Buffer& buffer, ReduceOp op) override {
-    return inner_->AllReduce(buffer, op);
-  }
-  std::unique_ptr<Work> Broadcast(const Buffer& buffer, int root) override {
-    return inner_->Broadcast(buffer, root);
-  }
-  std::unique_ptr<Work> Barrier() override { return inner_->Barrier(); }
-  bool SupportsSendRecv() const override { return inner_->SupportsSendRecv(); }
-  std::unique_ptr<Work> SendRecv(
-      const std::vector<PeerTransfer>& sends,
-      const std::vector<PeerTransfer>& recvs) override {
-    return inner_->SendRecv(sends, recvs);
-  }
+  // The flat collectives, Broadcast, Barrier and SendRecv (small or rare) go
+  // to the wrapped communicator as they are.
   // Fails this rank's waits (ABORTED) and marks it closed in the region, so
   // peers waiting on it fail at once; aborts the wrapped communicator too.
   absl::Status Abort(absl::string_view reason) override;
@@ -120,21 +103,18 @@ class ShmCommunicator final : public Communicator {
   size_t slot_bytes() const;
 
  private:
-  class Region;
-
   ShmCommunicator(std::unique_ptr<Communicator> inner,
-                  std::shared_ptr<Region> region, absl::Duration timeout);
+                  std::shared_ptr<ShmRegion> region, absl::Duration timeout);
 
   const int rank_;
   const int size_;
   const std::string name_;
   const absl::Duration timeout_;
-  std::unique_ptr<Communicator> inner_;
-  const std::shared_ptr<Region> region_;
+  const std::shared_ptr<ShmRegion> region_;
   // Runs the segment collectives in issue order; destroyed (drained) first.
   SerialExecutor executor_;
 };
 
 }  // namespace hsdp::comm
 
-#endif  // HSDP_WORKER_COMM_SHM_COMMUNICATOR_H_
+#endif  // HSDP_WORKER_COMM_SHM_SHM_COMMUNICATOR_H_

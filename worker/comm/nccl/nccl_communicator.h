@@ -38,13 +38,12 @@
 // call and Wait() returns a Status naming the collective, its sequence number
 // and the communicator. An aborted communicator cannot be reused: rebuild it
 // (new unique id) after a membership change.
-#ifndef HSDP_WORKER_COMM_NCCL_COMMUNICATOR_H_
-#define HSDP_WORKER_COMM_NCCL_COMMUNICATOR_H_
+#ifndef HSDP_WORKER_COMM_NCCL_NCCL_COMMUNICATOR_H_
+#define HSDP_WORKER_COMM_NCCL_NCCL_COMMUNICATOR_H_
 
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
-#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -55,30 +54,20 @@
 #include "absl/time/time.h"
 #include "worker/comm/communicator.h"
 #include "worker/comm/device_mesh.h"
-#include "worker/comm/store.h"
+#include "worker/comm/nccl/nccl_errors.h"
+#include "worker/comm/nccl/nccl_options.h"
+#include "worker/comm/store/store.h"
 
 namespace hsdp::comm {
 
 // ---- Device-free helpers (no GPU needed; unit-tested on CPU machines) ----
-
-// Number of visible CUDA devices. UNAVAILABLE with the CUDA error text when
-// there is no driver or no device (cudaGetDeviceCount fails or returns 0),
-// which is how tests decide to skip.
-absl::StatusOr<int> CudaDeviceCount();
+// The error mapping (NcclResultToStatus, CudaErrorToStatus, CudaDeviceCount)
+// is in nccl_errors.h.
 
 // NCCL type for `dtype`; all DataType values are supported (bf16 →
 // ncclBfloat16).
 absl::StatusOr<ncclDataType_t> ToNcclDataType(DataType dtype);
 ncclRedOp_t ToNcclRedOp(ReduceOp op);  // kAvg → ncclAvg (NCCL >= 2.10)
-
-// OK for ncclSuccess; otherwise a Status whose code reflects the failure class
-// and whose message is
-// "<what>: <ncclGetErrorString>" plus NCCL's last-error detail when `comm` is
-// given. ncclInProgress is not an error of its own and maps to UNAVAILABLE only
-// when passed here explicitly.
-absl::Status NcclResultToStatus(ncclResult_t result, absl::string_view what,
-                                ncclComm_t comm = nullptr);
-absl::Status CudaErrorToStatus(cudaError_t error, absl::string_view what);
 
 // The unique id travels through the Store as its raw 128 bytes.
 std::string EncodeUniqueId(const ncclUniqueId& id);
@@ -86,31 +75,8 @@ absl::StatusOr<ncclUniqueId> DecodeUniqueId(absl::string_view bytes);
 
 // ---- Communicator ----
 
-// Returns the caller's current compute stream (the engine passes
-// `[] { return at::cuda::getCurrentCUDAStream().stream(); }`).
-using CudaStreamProvider = std::function<cudaStream_t()>;
-
-struct NcclOptions {
-  int device = 0;
-  // Used in errors and logs, and as NCCL's commName; e.g. "nccl:shard".
-  std::string name = "nccl";
-  // Rendezvous: time to wait for rank 0's unique id in the Store, and for
-  // ncclCommInitRankConfig.
-  absl::Duration init_timeout = absl::Minutes(5);
-  // A collective not finished this long after issue aborts the communicator.
-  absl::Duration collective_timeout = absl::Minutes(10);
-  // Watchdog polling period (async errors and timeouts).
-  absl::Duration watchdog_interval = absl::Milliseconds(100);
-  // Null: the legacy default stream, which is LibTorch's default compute
-  // stream.
-  CudaStreamProvider compute_stream;
-  // Record timing events so Work::ElapsedSeconds() is valid (costs two events
-  // per collective).
-  bool enable_timing = true;
-};
-
-class NcclCommState;  // Shared by a communicator and its Work objects (defined
-                      // in the .cc).
+// Shared by a communicator and its Work objects (nccl_comm_state.h).
+class NcclCommState;
 
 // Thread-safety: collectives must be issued from one thread at a time (the
 // interface's ordering contract); the watchdog thread and Work::Wait() on other
@@ -192,4 +158,4 @@ CommunicatorFactory NcclCommunicatorFactory(Store& store,
 
 }  // namespace hsdp::comm
 
-#endif  // HSDP_WORKER_COMM_NCCL_COMMUNICATOR_H_
+#endif  // HSDP_WORKER_COMM_NCCL_NCCL_COMMUNICATOR_H_

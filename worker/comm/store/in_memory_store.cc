@@ -1,4 +1,4 @@
-#include "worker/comm/in_memory_store.h"
+#include "worker/comm/store/in_memory_store.h"
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"

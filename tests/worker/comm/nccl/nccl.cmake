@@ -1,6 +1,7 @@
-# NCCL backend tests (GPU path). Included by tests/worker/comm/CMakeLists.txt. They build and link
-# against the real CUDA runtime + NCCL wherever hsdp_nccl is built; device tests GTEST_SKIP()
-# without a GPU. HSDP_TEST_DEVICE=cuda:N picks the device (default cuda:0), "cpu" skips them.
+# NCCL backend tests (GPU path). Included by tests/worker/comm/CMakeLists.txt, so the binaries sit in
+# build/tests/worker/comm/. They build and link against the real CUDA runtime + NCCL wherever
+# hsdp_nccl is built; device tests GTEST_SKIP() without a GPU. HSDP_TEST_DEVICE=cuda:N picks the
+# device (default cuda:0), "cpu" skips them.
 if(TARGET hsdp_nccl)
   hsdp_add_test(nccl_communicator_test
     SOURCES ${CMAKE_CURRENT_LIST_DIR}/nccl_communicator_test.cc
@@ -11,10 +12,11 @@ endif()
 
 # The same tests against a host-memory fake of the CUDA runtime + NCCL (nccl_fake_runtime.cc), so
 # the device tests (streams/events, non-blocking init, groups, watchdog abort, two ranks) also run
-# on CPU-only machines. Compiles the communicator again without libcudart/libnccl.
+# on CPU-only machines. Compiles the backend's sources (hsdp_nccl's) again without libcudart/libnccl.
 if(HSDP_NCCL_ENABLED AND TARGET hsdp_comm)
+  get_target_property(_hsdp_nccl_sources hsdp_nccl SOURCES)
   add_library(hsdp_nccl_fake_runtime STATIC
-    ${PROJECT_SOURCE_DIR}/worker/comm/nccl_communicator.cc
+    ${_hsdp_nccl_sources}
     ${CMAKE_CURRENT_LIST_DIR}/nccl_fake_runtime.cc)
   target_include_directories(hsdp_nccl_fake_runtime PUBLIC ${PROJECT_SOURCE_DIR})
   target_include_directories(hsdp_nccl_fake_runtime SYSTEM PUBLIC ${HSDP_NCCL_INCLUDE_DIR}

@@ -1,4 +1,4 @@
-#include "worker/comm/gloo_store.h"
+#include "worker/comm/gloo/gloo_store.h"
 
 #include <algorithm>
 #include <utility>

@@ -1,5 +1,5 @@
 // Multi-rank tests of GlooCommunicator: ranks as threads over loopback TCP.
-#include "worker/comm/gloo_communicator.h"
+#include "worker/comm/gloo/gloo_communicator.h"
 
 #include <cmath>
 #include <string>
@@ -10,7 +10,8 @@
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "tests/worker/comm/comm_test_util.h"
-#include "worker/comm/in_memory_store.h"
+#include "worker/comm/gloo/gloo_pairs.h"
+#include "worker/comm/store/in_memory_store.h"
 
 namespace hsdp::comm {
 namespace {

@@ -1,6 +1,6 @@
 // FileStore: values cross process boundaries through the directory, writes are
 // atomic, missing keys time out naming them.
-#include "worker/comm/file_store.h"
+#include "worker/comm/store/file_store.h"
 
 #include <fcntl.h>
 #include <stdlib.h>

@@ -20,8 +20,8 @@
 // Memory: ReduceScatter receives into a buffer of the input's size, kept for
 // the communicator's life (grown to the largest input seen) to avoid a large
 // allocation per call.
-#ifndef HSDP_WORKER_COMM_GLOO_COMMUNICATOR_H_
-#define HSDP_WORKER_COMM_GLOO_COMMUNICATOR_H_
+#ifndef HSDP_WORKER_COMM_GLOO_GLOO_COMMUNICATOR_H_
+#define HSDP_WORKER_COMM_GLOO_GLOO_COMMUNICATOR_H_
 
 #include <cstdint>
 #include <functional>
@@ -34,8 +34,9 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "worker/comm/communicator.h"
+#include "worker/comm/gloo/gloo_options.h"
 #include "worker/comm/serial_executor.h"
-#include "worker/comm/store.h"
+#include "worker/comm/store/store.h"
 
 namespace gloo {
 class Context;
@@ -46,25 +47,10 @@ class Device;
 
 namespace hsdp::comm {
 
-// Where the tcp device listens. Set at most one of hostname / iface; with
-// neither, Gloo resolves the machine's hostname. Tests use hostname
-// "127.0.0.1".
-struct GlooDeviceOptions {
-  std::string hostname;
-  std::string iface;
-};
-
 // Creates a Gloo tcp device (one listening socket + one event-loop thread),
 // shareable by any number of GlooCommunicators of this process.
 absl::StatusOr<std::shared_ptr<gloo::transport::Device>> CreateGlooDevice(
     const GlooDeviceOptions& options);
-
-struct GlooCommunicatorOptions {
-  // Shown in errors and name(), e.g. "gloo:shard".
-  std::string name = "gloo";
-  // Bounds the rendezvous and every collective.
-  absl::Duration timeout = absl::Seconds(30);
-};
 
 // Thread-safety: the Communicator methods may be called from any thread but, as
 // the interface says, in the same order on every rank; issuing is serialised
@@ -107,7 +93,7 @@ class GlooCommunicator final : public Communicator {
   std::unique_ptr<Work> AllReduce(const Buffer& buffer, ReduceOp op) override;
   // Segments travel as point-to-point messages over Gloo's unbound buffers,
   // straight from and into the caller's memory (every rank sends its segments
-  // to every peer: the bytes of a ring, no staging copy).
+  // to every peer: the bytes of a ring, no staging copy); see gloo_segments.h.
   bool SupportsSegments() const override { return true; }
   // The reduce-scatter runs in size()-1 rounds, so its scratch is about one
   // output's worth (size()-1 parts of 1/(size()-1) each).
@@ -160,14 +146,6 @@ class GlooCommunicator final : public Communicator {
   SerialExecutor executor_;
 };
 
-// Which peer a Gloo error names: Gloo reports a lost connection with the TCP
-// address of the peer's end; `peer_addresses[p]` is the address peer p
-// published for its end of our pair ("" for this rank). Matches the exact
-// address, else the host when exactly one peer lives there; -1 if unknown.
-// Exposed for tests.
-int FindPeerInGlooError(const std::string& text,
-                        const std::vector<std::string>& peer_addresses);
-
 }  // namespace hsdp::comm
 
-#endif  // HSDP_WORKER_COMM_GLOO_COMMUNICATOR_H_
+#endif  // HSDP_WORKER_COMM_GLOO_GLOO_COMMUNICATOR_H_
