@@ -136,7 +136,7 @@ void StepTimes(const models::GptConfig& config, const Flags& flags) {
       gpt.Step(config, flags.batch);
       if (c != nullptr) {
         absl::Status s =
-            c->Save(step, *gpt.engine, *gpt.model.ptr(), *gpt.optimizer, 0, 0);
+            c->Save(step, *gpt.engine, *gpt.optimizer, 0, 0);
         if (!s.ok()) Die(s);
       }
       ++step;
@@ -196,7 +196,7 @@ void LoadTimes(const models::GptConfig& config, const Flags& flags) {
     gpt.Step(config, flags.batch);
     train::Checkpointing c(Options(flags, false, dir), mesh, c10::kCPU);
     if (absl::Status s =
-            c.Save(0, *gpt.engine, *gpt.model.ptr(), *gpt.optimizer, 0, 0);
+            c.Save(0, *gpt.engine, *gpt.optimizer, 0, 0);
         !s.ok()) {
       Die(s);
     }
@@ -210,7 +210,7 @@ void LoadTimes(const models::GptConfig& config, const Flags& flags) {
       ShardedGpt gpt(config, mesh, kSeed + 1);
       train::Checkpointing c(Options(flags, false, dir), mesh, c10::kCPU);
       const double t0 = Now();
-      auto step = c.Resume(*gpt.engine, *gpt.model.ptr(), *gpt.optimizer);
+      auto step = c.Resume(*gpt.engine, *gpt.optimizer);
       const double dt = Now() - t0;
       if (!step.ok()) Die(step.status());
       {
