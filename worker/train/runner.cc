@@ -40,6 +40,12 @@ absl::Status Guard(const std::string& what, Fn fn) {
   }
 }
 
+// `s` with "step N: " before its message.
+absl::Status StepError(int64_t step, const absl::Status& s) {
+  if (s.ok()) return s;
+  return absl::Status(s.code(), absl::StrCat("step ", step, ": ", s.message()));
+}
+
 // Clips the gradients of `params` (unsharded) as fsdp::ClipGradNormGlobal
 // clips shards: the global norm in double precision, one coefficient. Returns
 // the norm before clipping.
@@ -69,12 +75,17 @@ absl::Status TrainReference(std::unique_ptr<Task> task,
   SetThreads(o.process.threads);
   const c10::Device device(c10::kCPU);
   HSDP_RETURN_IF_ERROR(task->Build(BuildContext{device, t.seed}));
-  std::vector<std::shared_ptr<UnitBinding>> bindings;
+  std::vector<UnitSpec> units;
+  HSDP_RETURN_IF_ERROR(BuildAllUnits(*task, device, &units));
   std::vector<std::string> unit_names;
-  HSDP_RETURN_IF_ERROR(BuildAllUnits(*task, device, &bindings, &unit_names));
+  std::vector<std::shared_ptr<UnitBinding>> bindings;
+  for (const UnitSpec& unit : units) {
+    unit_names.push_back(unit.name);
+    bindings.push_back(unit.binding);
+  }
   HSDP_RETURN_IF_ERROR(
       CheckUnitGlob("--recompute-units", t.recompute_units, unit_names));
-  DirectShardContext units_context(task->NumUnits());
+  DirectShardContext units_context(units);
   UnitBindings unit_bindings;
   unit_bindings.Bind(std::move(bindings), &units_context);
   task->Shard(units_context);
@@ -110,9 +121,20 @@ absl::Status TrainReference(std::unique_ptr<Task> task,
       if (check_task) {
         HSDP_RETURN_IF_ERROR(CheckDeterministicBatch(*task, request, batch));
       }
-      HSDP_ASSIGN_OR_RETURN(at::Tensor l, MicrobatchLoss(*task, batch));
+      units_context.BeginForward();
+      absl::StatusOr<at::Tensor> loss_or;
+      try {
+        loss_or = MicrobatchLoss(*task, batch);
+      } catch (const std::exception&) {
+        if (units_context.misuse().ok()) throw;
+        return StepError(step, units_context.misuse());
+      }
+      HSDP_ASSIGN_OR_RETURN(at::Tensor l, std::move(loss_or));
       if (check_task) {
-        HSDP_RETURN_IF_ERROR(CheckLossGraph(l, *task->Model()));
+        const std::vector<GradLeaf> leaves = GradLeaves(l);
+        HSDP_RETURN_IF_ERROR(CheckRegistered(leaves, *task->Model()));
+        HSDP_RETURN_IF_ERROR(
+            StepError(step, units_context.CheckEntered(leaves)));
       }
       l = l / parts;
       (grad_scale == 1.0 ? l : l * grad_scale).backward();

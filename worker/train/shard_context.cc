@@ -1,8 +1,12 @@
 #include "worker/train/shard_context.h"
 
 #include <c10/util/Exception.h>
+#include <torch/nn/module.h>
 
+#include <algorithm>
 #include <utility>
+
+#include "absl/strings/str_cat.h"
 
 namespace hsdp::train {
 
@@ -35,21 +39,72 @@ std::vector<at::Tensor> EngineShardContext::Forward(
   return Handle(unit).Forward(inputs, fn);
 }
 
-void DirectShardContext::Check(int unit) const {
-  TORCH_CHECK(unit >= 0 && unit < num_units_, "ShardContext::Forward: unit ",
-              unit, " is not in [0, ", num_units_, ")");
+DirectShardContext::DirectShardContext(int num_units)
+    : entered_(static_cast<size_t>(std::max(num_units, 0))) {
+  for (int i = 0; i < num_units; ++i)
+    names_.push_back(absl::StrCat("unit ", i));
+}
+
+DirectShardContext::DirectShardContext(const std::vector<UnitSpec>& units)
+    : entered_(units.size()) {
+  for (size_t i = 0; i < units.size(); ++i) {
+    names_.push_back(units[i].name);
+    for (const auto& module : units[i].modules) {
+      if (module == nullptr) continue;
+      for (const at::Tensor& p : module->parameters(/*recurse=*/true))
+        owner_.emplace(p.unsafeGetTensorImpl(), static_cast<int>(i));
+    }
+  }
+}
+
+void DirectShardContext::BeginForward() {
+  std::fill(entered_.begin(), entered_.end(), false);
+  last_entered_ = -1;
+}
+
+void DirectShardContext::Enter(int unit) {
+  TORCH_CHECK(unit >= 0 && unit < num_units(), "ShardContext::Forward: unit ",
+              unit, " is not in [0, ", num_units(), ")");
+  if (!entered_[unit] && unit < last_entered_) {
+    // The words of the engine's refusal (a sharded run of the same task).
+    misuse_ = absl::FailedPreconditionError(absl::StrCat(
+        "unit ", names_[unit], " was entered after unit ",
+        names_[last_entered_],
+        ": a forward enters units in the order they were declared (a unit "
+        "may be skipped, or entered again after it ran)"));
+    TORCH_CHECK(false, misuse_.message());
+  }
+  entered_[unit] = true;
+  last_entered_ = std::max(last_entered_, unit);
 }
 
 at::Tensor DirectShardContext::Forward(int unit, const at::Tensor& input,
                                        const UnitFn& fn) {
-  Check(unit);
+  Enter(unit);
   return fn(input);
 }
 
 std::vector<at::Tensor> DirectShardContext::Forward(
     int unit, const std::vector<at::Tensor>& inputs, const UnitListFn& fn) {
-  Check(unit);
+  Enter(unit);
   return fn(inputs);
+}
+
+absl::Status DirectShardContext::CheckEntered(
+    const std::vector<GradLeaf>& leaves) const {
+  for (const GradLeaf& leaf : leaves) {
+    auto it = owner_.find(leaf.tensor.unsafeGetTensorImpl());
+    if (it == owner_.end() || entered_[it->second]) continue;
+    return absl::FailedPreconditionError(absl::StrCat(
+        "unit ", names_[it->second],
+        "'s parameters were used outside its forward (autograd reaches them "
+        "through ",
+        leaf.used_by,
+        ", but the forward never entered the unit): its module was called "
+        "directly. Call a unit's module through its hsdp::train::Unit<> "
+        "wrapper or ShardContext::Forward"));
+  }
+  return absl::OkStatus();
 }
 
 void UnitBindings::Bind(std::vector<std::shared_ptr<UnitBinding>> bindings,

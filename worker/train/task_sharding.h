@@ -37,12 +37,9 @@ absl::StatusOr<std::unique_ptr<fsdp::Engine>> ShardTask(
     std::vector<std::shared_ptr<UnitBinding>>* bindings = nullptr);
 
 // Builds every unit (nothing sharded) and moves the model to `device`: the
-// reference's model.
-// `names` (optional) gets the units' names.
-absl::Status BuildAllUnits(
-    Task& task, const c10::Device& device,
-    std::vector<std::shared_ptr<UnitBinding>>* bindings = nullptr,
-    std::vector<std::string>* names = nullptr);
+// reference's model. `units` (optional) gets what BuildUnit returned.
+absl::Status BuildAllUnits(Task& task, const c10::Device& device,
+                           std::vector<UnitSpec>* units = nullptr);
 
 }  // namespace hsdp::train
 
