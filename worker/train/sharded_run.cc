@@ -673,6 +673,10 @@ absl::StatusOr<Next> ShardedRun::Step(int64_t step) {
       t_.lr_schedule.LearningRate(t_.optimizer.lr, step, t_.steps);
   line.peak_memory_bytes = peak_bytes;
   line.activation_bytes = stats.activation_bytes;
+  line.parameter_state_bytes = stats.peak_memory.shards +
+                               stats.peak_memory.sharded_grads +
+                               OptimizerStateBytes(*opt_);
+  line.gathered_peak_bytes = stats.peak_unsharded_bytes;
   line.policy_version = schedule.policy_version();
   for (const auto& u : schedule.units())
     line.reshard_after_forward += u.reshard_after_forward() ? '1' : '0';
