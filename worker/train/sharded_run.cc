@@ -29,12 +29,12 @@
 #include "worker/train/optimizer.h"
 #include "worker/train/report_file.h"
 #include "worker/train/run_support.h"
-#include "worker/train/shard_context.h"
 #include "worker/train/shard_state.h"
 #include "worker/train/step_trace.h"
 #include "worker/train/task_checks.h"
 #include "worker/train/task_sharding.h"
 #include "worker/train/training_options.h"
+#include "worker/train/unit_entry.h"
 #include "worker/train/worker_mesh.h"
 
 namespace hsdp::train {

@@ -1,7 +1,8 @@
-// The two ShardContexts the runner hands a Task: units entered through the
-// sharding engine, or run directly (the single-process reference).
-#ifndef HSDP_WORKER_TRAIN_SHARD_CONTEXT_H_
-#define HSDP_WORKER_TRAIN_SHARD_CONTEXT_H_
+// How a task's Loss() enters its units: the two ShardContexts the runner hands
+// a Task (units entered through the sharding engine, or run directly in the
+// single-process reference) and the binding of its Unit<> wrappers to one.
+#ifndef HSDP_WORKER_TRAIN_UNIT_ENTRY_H_
+#define HSDP_WORKER_TRAIN_UNIT_ENTRY_H_
 
 #include <memory>
 #include <string>
@@ -101,4 +102,4 @@ class UnitBindings {
 
 }  // namespace hsdp::train
 
-#endif  // HSDP_WORKER_TRAIN_SHARD_CONTEXT_H_
+#endif  // HSDP_WORKER_TRAIN_UNIT_ENTRY_H_

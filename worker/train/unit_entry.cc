@@ -1,4 +1,4 @@
-#include "worker/train/shard_context.h"
+#include "worker/train/unit_entry.h"
 
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
