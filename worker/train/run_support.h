@@ -1,4 +1,4 @@
-// Pieces the sharded run (sharded_run.h) and the single-process reference
+// Pieces the sharded run (elastic_loop.h) and the single-process reference
 // (runner.cc) share: process set-up, the task's optimizer, one microbatch's
 // batch and loss, and writing parameters.
 //

@@ -13,10 +13,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_util.h"
+#include "worker/train/elastic_loop.h"
 #include "worker/train/optimizer.h"
 #include "worker/train/report_file.h"
 #include "worker/train/run_support.h"
-#include "worker/train/sharded_run.h"
 #include "worker/train/task_checks.h"
 #include "worker/train/task_sharding.h"
 #include "worker/train/training_options.h"

@@ -1,4 +1,4 @@
-#include "worker/train/sharded_run.h"
+#include "worker/train/elastic_loop.h"
 
 #include <glog/logging.h>
 #include <torch/cuda.h>
