@@ -32,7 +32,7 @@
 #include "worker/train/shard_state.h"
 #include "worker/train/step_trace.h"
 #include "worker/train/task_checks.h"
-#include "worker/train/task_sharding.h"
+#include "worker/train/task_units.h"
 #include "worker/train/training_options.h"
 #include "worker/train/unit_entry.h"
 #include "worker/train/worker_mesh.h"

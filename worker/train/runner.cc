@@ -18,7 +18,7 @@
 #include "worker/train/report_file.h"
 #include "worker/train/run_support.h"
 #include "worker/train/task_checks.h"
-#include "worker/train/task_sharding.h"
+#include "worker/train/task_units.h"
 #include "worker/train/training_options.h"
 #include "worker/train/unit_entry.h"
 

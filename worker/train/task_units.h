@@ -1,7 +1,7 @@
 // Building a Task's units: describing them before joining (what the worker
 // reports) and sharding them one at a time through the engine.
-#ifndef HSDP_WORKER_TRAIN_TASK_SHARDING_H_
-#define HSDP_WORKER_TRAIN_TASK_SHARDING_H_
+#ifndef HSDP_WORKER_TRAIN_TASK_UNITS_H_
+#define HSDP_WORKER_TRAIN_TASK_UNITS_H_
 
 #include <memory>
 #include <string>
@@ -43,4 +43,4 @@ absl::Status BuildAllUnits(Task& task, const c10::Device& device,
 
 }  // namespace hsdp::train
 
-#endif  // HSDP_WORKER_TRAIN_TASK_SHARDING_H_
+#endif  // HSDP_WORKER_TRAIN_TASK_UNITS_H_

@@ -1,4 +1,4 @@
-#include "worker/train/task_sharding.h"
+#include "worker/train/task_units.h"
 
 #include <torch/nn/module.h>
 
