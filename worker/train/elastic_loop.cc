@@ -28,7 +28,7 @@
 #include "worker/train/checkpointing.h"
 #include "worker/train/optimizer.h"
 #include "worker/train/report_file.h"
-#include "worker/train/run_support.h"
+#include "worker/train/run_setup.h"
 #include "worker/train/shard_state.h"
 #include "worker/train/step_trace.h"
 #include "worker/train/task_checks.h"

@@ -16,7 +16,7 @@
 #include "worker/train/elastic_loop.h"
 #include "worker/train/optimizer.h"
 #include "worker/train/report_file.h"
-#include "worker/train/run_support.h"
+#include "worker/train/run_setup.h"
 #include "worker/train/task_checks.h"
 #include "worker/train/task_units.h"
 #include "worker/train/training_options.h"

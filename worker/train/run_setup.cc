@@ -1,4 +1,4 @@
-#include "worker/train/run_support.h"
+#include "worker/train/run_setup.h"
 
 #include <ATen/Parallel.h>
 #include <dlfcn.h>

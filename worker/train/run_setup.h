@@ -3,8 +3,8 @@
 // batch and loss, and writing parameters.
 //
 // Thread-compatible: call on the training thread.
-#ifndef HSDP_WORKER_TRAIN_RUN_SUPPORT_H_
-#define HSDP_WORKER_TRAIN_RUN_SUPPORT_H_
+#ifndef HSDP_WORKER_TRAIN_RUN_SETUP_H_
+#define HSDP_WORKER_TRAIN_RUN_SETUP_H_
 
 #include <torch/optim/optimizer.h>
 
@@ -65,4 +65,4 @@ absl::Status SaveParams(
 
 }  // namespace hsdp::train
 
-#endif  // HSDP_WORKER_TRAIN_RUN_SUPPORT_H_
+#endif  // HSDP_WORKER_TRAIN_RUN_SETUP_H_
