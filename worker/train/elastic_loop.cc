@@ -26,6 +26,7 @@
 #include "worker/fsdp/fully_shard.h"
 #include "worker/fsdp/memory_meter.h"
 #include "worker/train/checkpointing.h"
+#include "worker/train/microbatch.h"
 #include "worker/train/optimizer.h"
 #include "worker/train/report_file.h"
 #include "worker/train/run_setup.h"

@@ -23,6 +23,14 @@ std::unique_ptr<torch::optim::Optimizer> MakeJobOptimizer(
                   .weight_decay(o.EffectiveWeightDecay()));
 }
 
+std::unique_ptr<torch::optim::Optimizer> MakeOptimizer(
+    Task& task, const TrainingOptions& t,
+    const std::vector<at::Tensor>& params) {
+  std::unique_ptr<torch::optim::Optimizer> opt = task.MakeOptimizer(params);
+  if (opt == nullptr) opt = MakeJobOptimizer(t.optimizer, params);
+  return opt;
+}
+
 int64_t OptimizerStateBytes(const torch::optim::Optimizer& optimizer) {
   auto bytes = [](const at::Tensor& t) {
     return t.defined() ? static_cast<int64_t>(t.nbytes()) : int64_t{0};

@@ -13,7 +13,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_util.h"
+#include "worker/train/checkpointing.h"
 #include "worker/train/elastic_loop.h"
+#include "worker/train/microbatch.h"
 #include "worker/train/optimizer.h"
 #include "worker/train/report_file.h"
 #include "worker/train/run_setup.h"
