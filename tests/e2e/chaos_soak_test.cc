@@ -62,6 +62,10 @@ constexpr int kGlobalMicrobatches = kWorld;
 constexpr int kPort = 50051;
 constexpr int kCheckpointInterval = 25;
 constexpr int64_t kStateDiskBytes = 32 << 20;
+// A new longest time without a committed step above this is said as it
+// happens, with the last fault injected.
+constexpr double kSayGapAbove = 5.0;
+
 // The longest a fault may leave the job without a committed step once it
 // ended: the collective timeout (30 s) + heartbeat timeout + reform window +
 // a restart and a rendezvous, with room for a loaded 2-core machine.
@@ -378,9 +382,15 @@ class ChaosSoak {
       if (lines != lines_) {
         lines_ = lines;
         last_progress_ = Clock::now();
-        max_gap_s_ = std::max(max_gap_s_, std::chrono::duration<double>(
-                                              last_progress_ - last_commit_)
-                                              .count());
+        const double gap =
+            std::chrono::duration<double>(last_progress_ - last_commit_)
+                .count();
+        if (gap > max_gap_s_ && gap > kSayGapAbove) {
+          std::cout << "chaos:   " << gap << " s without a committed step"
+                    << (active_.empty() ? "" : " after ") << active_
+                    << " (until report line " << lines << ")\n";
+        }
+        max_gap_s_ = std::max(max_gap_s_, gap);
         last_commit_ = last_progress_;
       }
       if (lines_at_fault_end >= 0 && lines > lines_at_fault_end) {
@@ -388,6 +398,8 @@ class ChaosSoak {
             std::chrono::duration<double>(Clock::now() - fault_ended).count();
         ++recovered_;
         max_recovery_s_ = std::max(max_recovery_s_, took);
+        std::cout << "chaos:   recovered: a step committed " << took
+                  << " s after the fault ended\n";
         lines_at_fault_end = -1;
         next_fault = Clock::now() + milliseconds(Uniform(1000, 4000));
       }
