@@ -211,6 +211,15 @@ TEST(TaskMisuseTest, CorrectTaskMatchesItsReference) {
   ExpectMatchesReference(RunMisuse(Misuse::kNone, "none"));
 }
 
+// Calling a Unit<> enters its unit also when its activations are recomputed
+// in backward: the block's forward runs again inside the unit.
+TEST(TaskMisuseTest, RecomputedUnitsMatchTheReference) {
+  TrainingOptions t = Training();
+  t.recompute_units = "blocks.*";
+  ExpectMatchesReference(RunMisuse(Misuse::kNone, "recompute", t));
+  ExpectMatchesReference(RunMisuse(Misuse::kTwice, "recompute-twice", t));
+}
+
 TEST(TaskMisuseTest, DirectCallNamesTheUnit) {
   const Outcome o = RunMisuse(Misuse::kDirectCall, "direct");
   ExpectRefused(o.sharded, "most likely unit blocks.1");
