@@ -2,7 +2,8 @@
 // the launcher starts it again with its own command line, it rejoins and is
 // healed, the survivors' processes train every step, the job finishes and the
 // launcher exits 0 with the sample ledger over every report file exact. With
-// --max-restarts 0 the first failure stops the job.
+// --max-restarts 0 the first failure stops the job. A non-finite loss fails
+// the job and the launcher with the coordinator's reason.
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <stdlib.h>
@@ -10,6 +11,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <thread>
 #include <vector>
@@ -76,6 +78,11 @@ std::vector<std::string> LaunchArgv(const std::string& run_dir,
     argv.push_back(flag);
   }
   return argv;
+}
+
+bool IsJsonObject(const std::string& line) {
+  return nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false)
+      .is_object();
 }
 
 // Kills rank `kKilledRank`'s first process once it reported
@@ -173,6 +180,37 @@ TEST(LaunchE2eTest, MaxRestartsZeroStopsAtTheFirstFailure) {
       << out;
   EXPECT_EQ(out.find("restarting"), std::string::npos) << out;
   EXPECT_FALSE(fs::exists(run_dir + "/worker-3.restart-1.jsonl"));
+}
+
+// A loss that turns non-finite (SGD with a learning rate no model survives)
+// stops the job: the coordinator marks it FAILED with the worker's line, which
+// names the step, rank and microbatch; the launcher restarts no one, says
+// that reason and exits non-zero; every report line is still JSON.
+TEST(LaunchE2eTest, ANonFiniteLossFailsTheJobAndTheLauncher) {
+  Cluster scratch("launch-nonfinite");
+  const std::string run_dir = scratch.dir() + "/run";
+  const std::string log = scratch.dir() + "/launch.log";
+  Proc launch =
+      Spawn(LaunchArgv(run_dir, {"--optimizer", "sgd", "--lr", "1e30"},
+                       /*steps=*/50),
+            log);
+  EXPECT_EQ(Wait(launch, kLaunchTimeout), 1) << ReadFile(log);
+  const std::string out = ReadFile(log);
+  const size_t failed = out.find("hsdp-launch: the job failed: step ");
+  ASSERT_NE(failed, std::string::npos) << out;
+  const std::string reason =
+      out.substr(failed, out.find('\n', failed) - failed);
+  EXPECT_NE(reason.find(": the loss is "), std::string::npos) << reason;
+  EXPECT_NE(reason.find(", microbatch "), std::string::npos) << reason;
+  EXPECT_NE(reason.find("--on-nonfinite skip-step"), std::string::npos)
+      << reason;
+  EXPECT_EQ(out.find("restarting"), std::string::npos) << out;
+  for (int r = 0; r < 4; ++r) {
+    const std::string report = absl::StrCat(run_dir, "/worker-", r, ".jsonl");
+    for (const std::string& line : Lines(ReadFile(report))) {
+      EXPECT_TRUE(IsJsonObject(line)) << report << ": " << line;
+    }
+  }
 }
 
 }  // namespace

@@ -1,7 +1,7 @@
 // Building a Task's units: describing them before joining (what the worker
 // reports) and sharding them one at a time through the engine.
-#ifndef HSDP_WORKER_TRAIN_TASK_SHARDING_H_
-#define HSDP_WORKER_TRAIN_TASK_SHARDING_H_
+#ifndef HSDP_WORKER_TRAIN_TASK_UNITS_H_
+#define HSDP_WORKER_TRAIN_TASK_UNITS_H_
 
 #include <memory>
 #include <string>
@@ -37,13 +37,10 @@ absl::StatusOr<std::unique_ptr<fsdp::Engine>> ShardTask(
     std::vector<std::shared_ptr<UnitBinding>>* bindings = nullptr);
 
 // Builds every unit (nothing sharded) and moves the model to `device`: the
-// reference's model.
-// `names` (optional) gets the units' names.
-absl::Status BuildAllUnits(
-    Task& task, const c10::Device& device,
-    std::vector<std::shared_ptr<UnitBinding>>* bindings = nullptr,
-    std::vector<std::string>* names = nullptr);
+// reference's model. `units` (optional) gets what BuildUnit returned.
+absl::Status BuildAllUnits(Task& task, const c10::Device& device,
+                           std::vector<UnitSpec>* units = nullptr);
 
 }  // namespace hsdp::train
 
-#endif  // HSDP_WORKER_TRAIN_TASK_SHARDING_H_
+#endif  // HSDP_WORKER_TRAIN_TASK_UNITS_H_

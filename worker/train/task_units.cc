@@ -1,4 +1,4 @@
-#include "worker/train/task_sharding.h"
+#include "worker/train/task_units.h"
 
 #include <torch/nn/module.h>
 
@@ -153,16 +153,13 @@ absl::StatusOr<std::unique_ptr<fsdp::Engine>> ShardTask(
 }
 
 absl::Status BuildAllUnits(Task& task, const c10::Device& device,
-                           std::vector<std::shared_ptr<UnitBinding>>* bindings,
-                           std::vector<std::string>* names) {
-  if (bindings != nullptr) bindings->clear();
-  if (names != nullptr) names->clear();
+                           std::vector<UnitSpec>* units) {
+  if (units != nullptr) units->clear();
   std::set<std::string> unit_names;
   for (int i = 0; i < task.NumUnits(); ++i) {
     HSDP_ASSIGN_OR_RETURN(UnitSpec spec, task.BuildUnit(i));
     HSDP_RETURN_IF_ERROR(CheckUnitSpec(spec, i, unit_names));
-    if (bindings != nullptr) bindings->push_back(spec.binding);
-    if (names != nullptr) names->push_back(spec.name);
+    if (units != nullptr) units->push_back(std::move(spec));
   }
   task.Model()->to(device);
   return absl::OkStatus();

@@ -1,13 +1,18 @@
-// The two ShardContexts the runner hands a Task: units entered through the
-// sharding engine, or run directly (the single-process reference).
-#ifndef HSDP_WORKER_TRAIN_SHARD_CONTEXT_H_
-#define HSDP_WORKER_TRAIN_SHARD_CONTEXT_H_
+// How a task's Loss() enters its units: the two ShardContexts the runner hands
+// a Task (units entered through the sharding engine, or run directly in the
+// single-process reference) and the binding of its Unit<> wrappers to one.
+#ifndef HSDP_WORKER_TRAIN_UNIT_ENTRY_H_
+#define HSDP_WORKER_TRAIN_UNIT_ENTRY_H_
 
 #include <memory>
+#include <string>
+#include <unordered_map>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "worker/fsdp/fully_shard.h"
 #include "worker/train/task.h"
+#include "worker/train/task_checks.h"
 
 namespace hsdp::train {
 
@@ -34,21 +39,46 @@ class EngineShardContext : public ShardContext {
 };
 
 // Runs every unit directly: no sharding, no recompute (which never changes
-// the numbers). Thread-compatible.
+// the numbers). It checks what a sharded run would refuse, so that the
+// reference refuses it alike: a unit entered for the first time in a forward
+// after a later unit (Forward throws c10::Error, misuse() says why), and a
+// unit's parameters used although the forward never entered it
+// (CheckEntered). Thread-compatible.
 class DirectShardContext : public ShardContext {
  public:
-  explicit DirectShardContext(int num_units) : num_units_(num_units) {}
+  // Units named "unit 0", "unit 1", ..., owning no parameters.
+  explicit DirectShardContext(int num_units);
+  // `units` as BuildUnit gave them: their names, and their modules'
+  // parameters.
+  explicit DirectShardContext(const std::vector<UnitSpec>& units);
 
-  int num_units() const override { return num_units_; }
+  int num_units() const override { return static_cast<int>(names_.size()); }
   at::Tensor Forward(int unit, const at::Tensor& input,
                      const UnitFn& fn) override;
   std::vector<at::Tensor> Forward(int unit,
                                   const std::vector<at::Tensor>& inputs,
                                   const UnitListFn& fn) override;
 
+  // A new forward (one Loss() call) begins: no unit entered yet.
+  void BeginForward();
+  // FAILED_PRECONDITION once a Forward call threw for entering units out of
+  // order; OK otherwise.
+  const absl::Status& misuse() const { return misuse_; }
+  // FAILED_PRECONDITION naming the first unit that owns one of `leaves` (what
+  // autograd reaches from this forward's loss, task_checks.h) although this
+  // forward never entered it: its module was called directly.
+  absl::Status CheckEntered(const std::vector<GradLeaf>& leaves) const;
+
  private:
-  void Check(int unit) const;
-  const int num_units_;
+  void Enter(int unit);
+
+  std::vector<std::string> names_;
+  // Each parameter's unit.
+  std::unordered_map<const c10::TensorImpl*, int> owner_;
+  // This forward: the units entered, and the highest of them (-1: none).
+  std::vector<bool> entered_;
+  int last_entered_ = -1;
+  absl::Status misuse_;
 };
 
 // Points a task's Unit<> wrappers (unit.h) at a context, task unit i at unit
@@ -72,4 +102,4 @@ class UnitBindings {
 
 }  // namespace hsdp::train
 
-#endif  // HSDP_WORKER_TRAIN_SHARD_CONTEXT_H_
+#endif  // HSDP_WORKER_TRAIN_UNIT_ENTRY_H_

@@ -1,4 +1,4 @@
-#include "worker/train/sharded_run.h"
+#include "worker/train/elastic_loop.h"
 
 #include <glog/logging.h>
 #include <torch/cuda.h>
@@ -26,15 +26,16 @@
 #include "worker/fsdp/fully_shard.h"
 #include "worker/fsdp/memory_meter.h"
 #include "worker/train/checkpointing.h"
+#include "worker/train/microbatch.h"
 #include "worker/train/optimizer.h"
 #include "worker/train/report_file.h"
-#include "worker/train/run_support.h"
-#include "worker/train/shard_context.h"
+#include "worker/train/run_setup.h"
 #include "worker/train/shard_state.h"
 #include "worker/train/step_trace.h"
 #include "worker/train/task_checks.h"
-#include "worker/train/task_sharding.h"
+#include "worker/train/task_units.h"
 #include "worker/train/training_options.h"
+#include "worker/train/unit_entry.h"
 #include "worker/train/worker_mesh.h"
 
 namespace hsdp::train {
@@ -672,6 +673,10 @@ absl::StatusOr<Next> ShardedRun::Step(int64_t step) {
       t_.lr_schedule.LearningRate(t_.optimizer.lr, step, t_.steps);
   line.peak_memory_bytes = peak_bytes;
   line.activation_bytes = stats.activation_bytes;
+  line.parameter_state_bytes = stats.peak_memory.shards +
+                               stats.peak_memory.sharded_grads +
+                               OptimizerStateBytes(*opt_);
+  line.gathered_peak_bytes = stats.peak_unsharded_bytes;
   line.policy_version = schedule.policy_version();
   for (const auto& u : schedule.units())
     line.reshard_after_forward += u.reshard_after_forward() ? '1' : '0';

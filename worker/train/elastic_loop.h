@@ -10,8 +10,8 @@
 // Thread-safety: TrainSharded runs on the calling thread (the training
 // thread); the agent's generation watcher aborts the current communicators
 // from its own thread.
-#ifndef HSDP_WORKER_TRAIN_SHARDED_RUN_H_
-#define HSDP_WORKER_TRAIN_SHARDED_RUN_H_
+#ifndef HSDP_WORKER_TRAIN_ELASTIC_LOOP_H_
+#define HSDP_WORKER_TRAIN_ELASTIC_LOOP_H_
 
 #include <memory>
 
@@ -30,4 +30,4 @@ absl::Status TrainSharded(std::unique_ptr<Task> task,
 
 }  // namespace hsdp::train
 
-#endif  // HSDP_WORKER_TRAIN_SHARDED_RUN_H_
+#endif  // HSDP_WORKER_TRAIN_ELASTIC_LOOP_H_

@@ -2,7 +2,7 @@
 // the engine builds, each rank materialises one unit at a time and ends with
 // shards bitwise equal to the reference's init, and tasks that break the
 // contract are refused.
-#include "worker/train/task_sharding.h"
+#include "worker/train/task_units.h"
 
 #include <torch/torch.h>
 
@@ -75,7 +75,7 @@ class WatchedGpt : public Task {
   std::unique_ptr<models::GptTask> inner_;
 };
 
-TEST(TaskShardingTest, EachRankHoldsOneUnitAtATimeAndItsShardsEqualTheInit) {
+TEST(TaskUnitsTest, EachRankHoldsOneUnitAtATimeAndItsShardsEqualTheInit) {
   at::set_num_threads(1);
   constexpr char kDims[] = "32,3,2,16";
   // The reference's model, built whole.
@@ -157,7 +157,7 @@ class SharedAcrossUnits : public Task {
   torch::nn::Sequential b_{nullptr};
 };
 
-TEST(TaskShardingTest, ParameterSharedByTwoUnitsIsRefused) {
+TEST(TaskUnitsTest, ParameterSharedByTwoUnitsIsRefused) {
   RunOnMesh({1, 2}, [&](RankContext& ctx) {
     SharedAcrossUnits task;
     ASSERT_TRUE(task.Build(BuildContext{}).ok());
@@ -172,7 +172,7 @@ TEST(TaskShardingTest, ParameterSharedByTwoUnitsIsRefused) {
   });
 }
 
-TEST(TaskShardingTest, UnitsNamedRootOrTwiceAreRefused) {
+TEST(TaskUnitsTest, UnitsNamedRootOrTwiceAreRefused) {
   class Named : public SharedAcrossUnits {
    public:
     explicit Named(std::vector<std::string> names) : names_(std::move(names)) {}
