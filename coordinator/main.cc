@@ -280,8 +280,9 @@ int main(int argc, char** argv) {
                  "boundary")
       ->envname("HSDP_JOIN_WAIT");
   app.add_option("--reform-window", f.reform_window_s,
-                 "Seconds an ending generation waits for its members to "
-                 "confirm")
+                 "Seconds an ending generation waits at most for a member "
+                 "whose connection is up to report in (one whose connection "
+                 "closed is not waited for)")
       ->envname("HSDP_REFORM_WINDOW");
   app.add_option("--tls-cert", f.tls_cert, "PEM certificate (TLS)")
       ->envname("HSDP_TLS_CERT");

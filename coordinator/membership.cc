@@ -667,6 +667,7 @@ absl::StatusOr<HeartbeatResult> Membership::Heartbeat(int64_t worker_id,
   if (absl::Status s = CheckNotLostLocked(w); !s.ok()) return s;
   w.restored = false;
   w.last_heartbeat = options_.clock->Now();
+  HeardFromLocked(w);
   w.step = step;
   HeartbeatResult result;
   result.worker_id = w.id;

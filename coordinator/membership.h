@@ -30,14 +30,27 @@
 // - was evicted, or joiners can complete another replica group (then at the
 //   next step boundary — the commit of a step — or after `join_wait` without
 //   one, aborting the step in flight).
-// Members confirm they are alive by calling AwaitGeneration while it ends;
-// once every live member confirmed, or `reform_window` passed, the next one is
-// formed (generation_plan.h) from the confirmed members (the holders of the
-// state), the standby workers and the joiners, starting at the last committed
-// step + 1. Unconfirmed members stand by. Too few workers for min_replicas
-// groups: no generation until more join (the job WAITs; the holders keep the
-// state). A shard index without a live holder: the job FAILs (the hook to
-// restart from the latest checkpoint instead is NoLiveCopy()).
+// Members report in while it ends: by calling AwaitGeneration (their agents'
+// watcher confirms within milliseconds) or by the ReportFailure that ended
+// it. The next one is formed as soon as every member is accounted for, and
+// at the latest once `reform_window` passed. A member is accounted for when
+// it reported in, left (lost, evicted, finished), or is gone: its schedule
+// stream of that generation broke from its side (ScheduleStreamLost: its
+// process died, so its connection closed) and it has started no call since.
+// A member that is merely slow (a long step, a loaded host, a stopped
+// process) keeps its connection, so it is waited for, up to the window: it
+// is not dropped before. Any call it starts later (a heartbeat,
+// AwaitGeneration, ReportFailure, CommitStep) takes "gone" back; a wake-up
+// of a long poll it started earlier does not (a dead worker's poll goes on
+// until its deadline). A member that streams no schedules (an older agent)
+// is waited for until the window.
+// The next generation is formed (generation_plan.h) from the members that
+// reported in (the holders of the state), the standby workers and the
+// joiners, starting at the last committed step + 1. The others stand by.
+// Too few workers for min_replicas groups: no generation until more join
+// (the job WAITs; the holders keep the state). A shard index without a live
+// holder: the job FAILs (the hook to restart from the latest checkpoint
+// instead is NoLiveCopy()).
 //
 // Steps commit in two phases: every member votes (CommitStep) after the
 // step's collectives and before its optimizer step; the last vote commits the
@@ -233,7 +246,8 @@ class Membership {
     // How long a joining worker (or an eviction) waits for a step boundary
     // before the generation is ended anyway.
     absl::Duration join_wait = absl::Seconds(60);
-    // How long an ending generation waits for its live members to confirm.
+    // How long an ending generation waits, at most, for a live member whose
+    // connection is up to report in (see the class comment).
     absl::Duration reform_window = absl::Seconds(5);
     // Null: Clock::Real().
     Clock* clock = nullptr;
@@ -297,7 +311,9 @@ class Membership {
       ABSL_LOCKS_EXCLUDED(mu_);
 
   // Ends `generation` if it is the current, active one; returns whether this
-  // call ended it. The reporter must have been a member of it.
+  // call ended it. The reporter must have been a member of it; its report
+  // counts as its confirmation of that generation's end (it is alive and
+  // holds the state of the last committed step).
   absl::StatusOr<bool> ReportFailure(int64_t worker_id, int64_t generation,
                                      int64_t step, const std::string& detail)
       ABSL_LOCKS_EXCLUDED(mu_);
@@ -324,6 +340,15 @@ class Membership {
   // target, FAILED_PRECONDITION for a worker that already left.
   absl::StatusOr<EvictResult> Evict(std::optional<int> rank,
                                     std::optional<int64_t> worker_id)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  // The schedule stream `worker_id` held for `generation` ended from the
+  // worker's side (cancelled, or its connection closed) before the
+  // coordinator ended it: if that is the current generation, the worker is
+  // taken for gone until it starts another call, and an ending generation
+  // forms without waiting for it (see the class comment). Other generations,
+  // non-members and unknown workers are ignored.
+  void ScheduleStreamLost(int64_t worker_id, int64_t generation)
       ABSL_LOCKS_EXCLUDED(mu_);
 
   // Time-driven work, called periodically (every heartbeat_timeout / 4 or
@@ -397,6 +422,9 @@ class Membership {
     // are placed in a new generation or make it grow. A member that did not
     // confirm is not ready until it calls again (it may be dead).
     bool ready = false;
+    // The generation whose schedule stream it lost (ScheduleStreamLost) with
+    // no call started since; -1: none.
+    int64_t stream_lost_generation = -1;
     std::deque<hsdp::v1::WorkerEvent> history;
   };
 
@@ -441,6 +469,11 @@ class Membership {
   // A worker's liveness as persisted (ALIVE for a live one) and back.
   static hsdp::v1::WorkerState RecordState(Liveness liveness);
   static Liveness FromRecordState(hsdp::v1::WorkerState state);
+  // A call of `w` started: it is there (takes ScheduleStreamLost back).
+  void HeardFromLocked(Worker& w) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Its schedule stream of the current generation broke and it started no
+  // call since.
+  bool GoneLocked(const Worker& w) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // FAILED_PRECONDITION for a lost worker.
   absl::Status CheckNotLostLocked(const Worker& w) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -85,15 +85,18 @@ void Membership::EndLocked(hsdp::v1::FailureCause cause,
 void Membership::MaybeFormLocked() {
   if (!failed_message_.empty() || shutdown_) return;
   if (current_.phase == Phase::kEnding) {
-    bool all_confirmed = true;
+    // Waits only for live members whose connection is up and that have not
+    // reported in yet (the class comment: slow, not gone).
+    bool all_accounted_for = true;
     for (const int64_t id : current_.info.worker_ids()) {
       const Worker* w = FindLocked(id);
       if (w != nullptr && w->liveness == Liveness::kAlive && !w->evicted &&
-          current_.confirmed.count(id) == 0) {
-        all_confirmed = false;
+          !GoneLocked(*w) && current_.confirmed.count(id) == 0) {
+        all_accounted_for = false;
+        break;
       }
     }
-    if (!all_confirmed &&
+    if (!all_accounted_for &&
         options_.clock->Now() < current_.ended_at + options_.reform_window) {
       return;
     }
@@ -180,7 +183,9 @@ void Membership::FormLocked() {
         w->holder_shard = -1;
         w->ready = false;
         AddEventLocked(*w, hsdp::v1::WORKER_EVENT_KIND_STANDBY,
-                       "did not confirm within the reform window");
+                       GoneLocked(*w)
+                           ? "its connection closed (schedule stream lost)"
+                           : "did not confirm within the reform window");
         w->generation = current_.info.generation();
         w->rank = -1;
       }
@@ -300,11 +305,16 @@ void Membership::UpdateGrowLocked() {
 absl::StatusOr<AwaitResult> Membership::AwaitGeneration(
     int64_t worker_id, int64_t known_generation, absl::Time deadline) {
   absl::MutexLock lock(&mu_);
+  // A call that starts shows the worker is there. (Not on every wake-up: a
+  // dead worker's long poll goes on until its deadline.)
+  if (Worker* w = FindLocked(worker_id); w != nullptr) HeardFromLocked(*w);
   // The call began while the caller's generation was active: it reports the
   // end (ENDED) instead of confirming.
   bool watched_active = false;
   bool timed_out = false;
-  while (true) {
+  // Only the call's first pass is evidence that the worker is there.
+  bool first_pass = true;
+  for (;; first_pass = false) {
     if (shutdown_) {
       return absl::UnavailableError("coordinator is shutting down");
     }
@@ -312,7 +322,7 @@ absl::StatusOr<AwaitResult> Membership::AwaitGeneration(
     if (!found.ok()) return found.status();
     Worker* w = *found;
     const bool member = IsMemberLocked(worker_id);
-    if (!member && !w->ready && w->liveness == Liveness::kAlive) {
+    if (first_pass && !member && !w->ready && w->liveness == Liveness::kAlive) {
       // It is there after all: it may be placed, and may make the job grow.
       w->ready = true;
       UpdateGrowLocked();
@@ -376,6 +386,24 @@ absl::StatusOr<AwaitResult> Membership::AwaitGeneration(
   }
 }
 
+void Membership::HeardFromLocked(Worker& w) { w.stream_lost_generation = -1; }
+
+bool Membership::GoneLocked(const Worker& w) const {
+  return w.stream_lost_generation == current_.info.generation();
+}
+
+void Membership::ScheduleStreamLost(int64_t worker_id, int64_t generation) {
+  absl::MutexLock lock(&mu_);
+  if (shutdown_ || generation != current_.info.generation() ||
+      !IsMemberLocked(worker_id)) {
+    return;
+  }
+  Worker* w = FindLocked(worker_id);
+  if (w == nullptr || w->liveness != Liveness::kAlive) return;
+  w->stream_lost_generation = generation;
+  MaybeFormLocked();
+}
+
 absl::StatusOr<bool> Membership::ReportFailure(int64_t worker_id,
                                                int64_t generation, int64_t step,
                                                const std::string& detail) {
@@ -383,15 +411,25 @@ absl::StatusOr<bool> Membership::ReportFailure(int64_t worker_id,
   absl::StatusOr<Worker*> found = FindLiveLocked(worker_id);
   if (!found.ok()) return found.status();
   Worker* w = *found;
+  HeardFromLocked(*w);
   if (generation > current_.info.generation()) {
     return absl::InvalidArgumentError(absl::StrCat("generation: ", generation,
                                                    " is ahead of the current ",
                                                    current_.info.generation()));
   }
+  if (generation < current_.info.generation()) return false;
+  const int rank = RankOfLocked(worker_id);
+  if (current_.phase == Phase::kEnding) {
+    // Another report (or a lost worker) ended it first: this one reports in.
+    if (rank >= 0 && current_.confirmed.insert(worker_id).second) {
+      MaybeFormLocked();
+      changed_.SignalAll();
+    }
+    return false;
+  }
   const bool running =
       current_.phase == Phase::kActive || current_.phase == Phase::kOpen;
-  if (generation < current_.info.generation() || !running) return false;
-  const int rank = RankOfLocked(worker_id);
+  if (!running) return false;
   if (rank < 0) {
     return absl::FailedPreconditionError(absl::StrCat(
         "worker ", worker_id, " is not a member of generation ", generation));
@@ -401,6 +439,11 @@ absl::StatusOr<bool> Membership::ReportFailure(int64_t worker_id,
             absl::StrCat("worker ", worker_id, " (rank ", rank, ") at step ",
                          step, ": ", detail),
             worker_id, options_.clock->Now(), /*at_boundary=*/false);
+  // The reporter is alive and holds the last committed state: it reported in.
+  if (current_.phase == Phase::kEnding) {
+    current_.confirmed.insert(worker_id);
+    MaybeFormLocked();
+  }
   return true;
 }
 
@@ -438,6 +481,7 @@ absl::StatusOr<CommitResult> Membership::CommitStep(int64_t worker_id,
                                                     int64_t step,
                                                     absl::Time deadline) {
   absl::MutexLock lock(&mu_);
+  if (Worker* w = FindLocked(worker_id); w != nullptr) HeardFromLocked(*w);
   bool timed_out = false;
   while (true) {
     if (shutdown_) {

@@ -25,9 +25,12 @@ using hsdp::v1::WatchSchedulesResponse;
 class ScheduleWatch final
     : public grpc::ServerWriteReactor<WatchSchedulesResponse> {
  public:
-  ScheduleWatch(ScheduleFeed* feed, int64_t from_step,
+  ScheduleWatch(ScheduleFeed* feed, int64_t worker_id, int64_t from_step,
                 GenerationContext generation)
-      : feed_(feed), next_step_(from_step), generation_(generation) {}
+      : feed_(feed),
+        worker_id_(worker_id),
+        next_step_(from_step),
+        generation_(generation) {}
 
   const GenerationContext& generation() const { return generation_; }
 
@@ -81,8 +84,13 @@ class ScheduleWatch final
     Advance();
   }
 
+  // gRPC calls this when the worker's side ends the call before our status
+  // reached it: a cancel, or its connection closed (also after Finish, when
+  // the status could not be delivered).
   void OnCancel() override {
     End(grpc::Status(grpc::StatusCode::CANCELLED, "stream cancelled"));
+    const auto& lost = feed_->options_.on_stream_lost;
+    if (lost && worker_id_ != 0) lost(worker_id_, generation_.generation);
   }
 
   void OnDone() override {
@@ -116,7 +124,8 @@ class ScheduleWatch final
   }
 
   ScheduleFeed* const feed_;
-  int64_t next_step_;  // guarded by feed_->mu_
+  const int64_t worker_id_;  // 0: a client that sent only its rank
+  int64_t next_step_;        // guarded by feed_->mu_
   const GenerationContext generation_;
   // gRPC's and the feed registry's.
   std::atomic<int> refs_{2};
@@ -162,7 +171,8 @@ grpc::ServerWriteReactor<WatchSchedulesResponse>* ScheduleFeed::Subscribe(
         grpc::StatusCode::INVALID_ARGUMENT,
         absl::StrCat("from_step ", request.from_step(), " is negative")));
   }
-  auto* watch = new ScheduleWatch(this, request.from_step(), generation);
+  auto* watch = new ScheduleWatch(this, request.worker_id(),
+                                  request.from_step(), generation);
   bool registered = false;
   {
     absl::MutexLock lock(&mu_);

@@ -18,7 +18,9 @@
 // trains in: it carries that generation's schedules, and ends ABORTED once the
 // generation ended (the worker re-forms, then opens a stream for the next).
 // After the drain step a stream gets one message with drained set and ends OK;
-// Shutdown() ends every stream with UNAVAILABLE.
+// Shutdown() ends every stream with UNAVAILABLE. A stream the worker's side
+// ends first (its process died, so its connection closed; or it cancelled)
+// is reported to Options::on_stream_lost.
 //
 // Threads: one pusher thread (reads the log, fans out), and gRPC's callback
 // threads for the streams' completions.
@@ -28,6 +30,7 @@
 #define HSDP_COORDINATOR_SCHEDULE_FEED_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <set>
 #include <thread>
@@ -56,6 +59,10 @@ class ScheduleFeed {
     int push_ahead = kDefaultPushAhead;
     // The pusher re-checks for new streams at least this often.
     absl::Duration poll_interval = absl::Milliseconds(10);
+    // Called, on a gRPC thread and without the feed's locks, with the worker
+    // id and generation of a stream that ended from the worker's side. May
+    // be empty.
+    std::function<void(int64_t worker_id, int64_t generation)> on_stream_lost;
   };
 
   // `log` must outlive the feed.

@@ -153,6 +153,12 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   s->membership_->SetListener(s->events_.get());
   ScheduleFeed::Options feed_options;
   feed_options.push_ahead = options.schedule_push_ahead;
+  Membership* membership = s->membership_.get();
+  // A member whose process died is not waited for when its generation ends.
+  feed_options.on_stream_lost = [membership](int64_t worker_id,
+                                             int64_t generation) {
+    membership->ScheduleStreamLost(worker_id, generation);
+  };
   s->schedule_feed_ =
       std::make_unique<ScheduleFeed>(s->schedule_log_.get(), feed_options);
   core.schedule_feed = s->schedule_feed_.get();

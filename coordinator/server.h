@@ -54,8 +54,8 @@ struct JobConfig {
   int read_ahead = kDefaultReadAhead;
   // Elastic settings (see coordinator/membership.h): the fewest replica
   // groups a generation may have, how long a joiner or an eviction waits for
-  // a step boundary, how long an ending generation waits for its members to
-  // confirm.
+  // a step boundary, how long an ending generation waits at most for a
+  // member whose connection is up to report in.
   int min_replicas = 1;
   absl::Duration join_wait = absl::Seconds(60);
   absl::Duration reform_window = absl::Seconds(5);
