@@ -22,7 +22,7 @@
 #include "common/policy.h"
 #include "common/status_util.h"
 #include "common/token.h"
-#include "coordinator/schedule_log.h"
+#include "coordinator/core/schedule_log.h"
 #include "coordinator/server.h"
 
 namespace {

@@ -14,14 +14,18 @@
 #include "absl/strings/str_cat.h"
 #include "common/policy.h"
 #include "common/status_util.h"
-#include "coordinator/control_service.h"
-#include "coordinator/coordinator_service.h"
-#include "coordinator/dashboard.h"
-#include "coordinator/http_server.h"
-#include "coordinator/kv_store.h"
-#include "coordinator/membership.h"
-#include "coordinator/metrics.h"
-#include "coordinator/state_store.h"
+#include "coordinator/core/coordinator_core.h"
+#include "coordinator/core/core_events.h"
+#include "coordinator/core/kv_store.h"
+#include "coordinator/core/membership.h"
+#include "coordinator/core/metrics.h"
+#include "coordinator/core/report_book.h"
+#include "coordinator/core/state_store.h"
+#include "coordinator/service/control_service.h"
+#include "coordinator/service/coordinator_service.h"
+#include "coordinator/service/dashboard.h"
+#include "coordinator/service/http_server.h"
+#include "coordinator/service/service_context.h"
 
 namespace hsdp::coordinator {
 namespace {
@@ -146,7 +150,6 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   core.kv_store = s->kv_store_.get();
   core.metrics = s->metrics_.get();
   core.reports = s->reports_.get();
-  core.calls = s->calls_.get();
   core.traces = s->traces_.get();
   core.dashboard_url = s->dashboard_url_;
   s->events_ = std::make_unique<CoreEvents>(core);
@@ -161,11 +164,13 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   };
   s->schedule_feed_ =
       std::make_unique<ScheduleFeed>(s->schedule_log_.get(), feed_options);
-  core.schedule_feed = s->schedule_feed_.get();
-  s->coordinator_service_ =
-      std::make_unique<CoordinatorServiceImpl>(core, options.job_token);
-  s->control_service_ =
-      std::make_unique<ControlServiceImpl>(core, options.control_token);
+  ServiceContext service;
+  service.calls = s->calls_.get();
+  service.schedule_feed = s->schedule_feed_.get();
+  s->coordinator_service_ = std::make_unique<CoordinatorServiceImpl>(
+      core, service, options.job_token);
+  s->control_service_ = std::make_unique<ControlServiceImpl>(
+      core, service, options.control_token);
   RefreshMembershipMetrics(core);
   s->metrics_->SetReplicas(
       s->membership_->current_generation().mesh().replicate());

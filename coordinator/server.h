@@ -15,9 +15,9 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "common/mesh.h"
-#include "coordinator/schedule_feed.h"
-#include "coordinator/schedule_log.h"
-#include "coordinator/trace_collector.h"
+#include "coordinator/core/schedule_log.h"
+#include "coordinator/core/trace_collector.h"
+#include "coordinator/service/schedule_feed.h"
 #include "hsdp/v1/policy.pb.h"
 
 namespace grpc {
@@ -52,7 +52,7 @@ struct JobConfig {
   std::string state_dir;
   absl::Duration heartbeat_timeout = absl::Seconds(10);
   int read_ahead = kDefaultReadAhead;
-  // Elastic settings (see coordinator/membership.h): the fewest replica
+  // Elastic settings (see coordinator/core/membership.h): the fewest replica
   // groups a generation may have, how long a joiner or an eviction waits for
   // a step boundary, how long an ending generation waits at most for a
   // member whose connection is up to report in.
@@ -92,7 +92,7 @@ struct ServerOptions {
   // skip it).
   bool sync_state = true;
   // WatchSchedules pushes step s once the slowest rank completed s - 1 -
-  // schedule_push_ahead (coordinator/schedule_feed.h).
+  // schedule_push_ahead (coordinator/service/schedule_feed.h).
   int schedule_push_ahead = kDefaultPushAhead;
 };
 

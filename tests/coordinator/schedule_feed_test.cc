@@ -1,4 +1,4 @@
-// CoordinatorService.WatchSchedules (coordinator/schedule_feed.h) over real
+// CoordinatorService.WatchSchedules (coordinator/service/schedule_feed.h) over real
 // gRPC on loopback: what it pushes is GetSchedule's sealed bytes, in order,
 // when the slowest rank allows, persisted; it catches up streams opened late,
 // ends with drained, refuses strangers, and ends every stream when the
@@ -11,8 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "coordinator/core/state_store.h"
 #include "coordinator/server.h"
-#include "coordinator/state_store.h"
 #include "hsdp/v1/control_service.grpc.pb.h"
 #include "hsdp/v1/coordinator_service.grpc.pb.h"
 #include "tests/coordinator/core_test_util.h"

@@ -6,7 +6,7 @@
 #include <gtest/gtest.h>
 
 #include "common/policy.h"
-#include "coordinator/schedule_log.h"
+#include "coordinator/core/schedule_log.h"
 #include "tests/coordinator/core_test_util.h"
 
 namespace hsdp::coordinator {
