@@ -118,12 +118,14 @@ absl::StatusOr<Membership::Worker*> Membership::ResolveLocked(int64_t worker_id,
     return w;
   }
   const auto& ids = current_.info.worker_ids();
-  if (rank < 0 || rank >= ids.size() || ids[rank] == 0 ||
-      FindLocked(ids[rank]) == nullptr) {
+  Worker* w = rank < 0 || rank >= ids.size() || ids[rank] == 0
+                  ? nullptr
+                  : FindLocked(ids[rank]);
+  if (w == nullptr) {
     return absl::NotFoundError(
         absl::StrCat("rank ", rank, " has not joined job ", options_.job_id));
   }
-  return FindLocked(ids[rank]);
+  return w;
 }
 
 absl::Status Membership::CheckNotLostLocked(const Worker& w) const {

@@ -1,10 +1,13 @@
 #include "coordinator/core/report_book.h"
 
+#include <utility>
+
 namespace hsdp::coordinator {
 
-void ReportBook::Record(const hsdp::v1::StepReport& report) {
+void ReportBook::Record(hsdp::v1::StepReport report) {
+  const int64_t worker_id = report.worker_id();
   absl::MutexLock lock(&mu_);
-  latest_[report.worker_id()] = report;
+  latest_[worker_id] = std::move(report);
 }
 
 bool ReportBook::Latest(int64_t worker_id, hsdp::v1::StepReport* report) const {

@@ -18,7 +18,7 @@ class ReportBook {
   ReportBook(const ReportBook&) = delete;
   ReportBook& operator=(const ReportBook&) = delete;
 
-  void Record(const hsdp::v1::StepReport& report) ABSL_LOCKS_EXCLUDED(mu_);
+  void Record(hsdp::v1::StepReport report) ABSL_LOCKS_EXCLUDED(mu_);
   // False when the worker never reported.
   bool Latest(int64_t worker_id, hsdp::v1::StepReport* report) const
       ABSL_LOCKS_EXCLUDED(mu_);

@@ -1,5 +1,7 @@
 #include "coordinator/service/coordinator_service.h"
 
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/impl/codegen/proto_utils.h>
 #include <grpcpp/server_context.h>
 
 #include <algorithm>
@@ -96,36 +98,48 @@ grpc::Status CoordinatorServiceImpl::Join(grpc::ServerContext* context,
   });
 }
 
+absl::Status CoordinatorServiceImpl::RecordHeartbeat(
+    const hsdp::v1::HeartbeatRequest& request,
+    hsdp::v1::HeartbeatResponse* response) {
+  HSDP_RETURN_IF_ERROR(core_.membership->CheckJobId(request.job_id()));
+  HSDP_ASSIGN_OR_RETURN(
+      HeartbeatResult beat,
+      core_.membership->Heartbeat(request.worker_id(), request.rank(),
+                                  request.step()));
+  const bool current =
+      request.worker_id() == 0 || request.generation() == beat.generation;
+  if (request.step() > 0 && beat.rank >= 0 && current) {
+    // A worker on step s has completed s - 1. Feeding that to the read-ahead
+    // window matters after a coordinator restart: completed steps are not
+    // persisted, so without it the first unsealed step would wait for
+    // reports that workers only send after getting it.
+    hsdp::v1::StepReport progress;
+    progress.set_rank(beat.rank);
+    progress.set_step(request.step() - 1);
+    HSDP_RETURN_IF_ERROR(core_.schedule_log->RecordReport(progress));
+  }
+  // A generation different from the request's (or a REFORMING job) tells a
+  // member to re-form.
+  response->set_generation(beat.generation);
+  response->set_job_state(beat.job_state);
+  response->set_server_time_unix_nanos(absl::GetCurrentTimeNanos());
+  response->set_worker_state(beat.worker_state);
+  response->set_message(beat.message);
+  return absl::OkStatus();
+}
+
+grpc::ServerUnaryReactor* CoordinatorServiceImpl::Heartbeat(
+    grpc::CallbackServerContext* context,
+    const hsdp::v1::HeartbeatRequest* request,
+    hsdp::v1::HeartbeatResponse* response) {
+  return ServeInline(context,
+                     [&]() { return RecordHeartbeat(*request, response); });
+}
+
 grpc::Status CoordinatorServiceImpl::Heartbeat(
     grpc::ServerContext* context, const hsdp::v1::HeartbeatRequest* request,
     hsdp::v1::HeartbeatResponse* response) {
-  return Serve(*context, [&]() -> absl::Status {
-    HSDP_RETURN_IF_ERROR(core_.membership->CheckJobId(request->job_id()));
-    HSDP_ASSIGN_OR_RETURN(
-        HeartbeatResult beat,
-        core_.membership->Heartbeat(request->worker_id(), request->rank(),
-                                    request->step()));
-    const bool current =
-        request->worker_id() == 0 || request->generation() == beat.generation;
-    if (request->step() > 0 && beat.rank >= 0 && current) {
-      // A worker on step s has completed s - 1. Feeding that to the read-ahead
-      // window matters after a coordinator restart: completed steps are not
-      // persisted, so without it the first unsealed step would wait for
-      // reports that workers only send after getting it.
-      hsdp::v1::StepReport progress;
-      progress.set_rank(beat.rank);
-      progress.set_step(request->step() - 1);
-      HSDP_RETURN_IF_ERROR(core_.schedule_log->RecordReport(progress));
-    }
-    // A generation different from the request's (or a REFORMING job) tells a
-    // member to re-form.
-    response->set_generation(beat.generation);
-    response->set_job_state(beat.job_state);
-    response->set_server_time_unix_nanos(absl::GetCurrentTimeNanos());
-    response->set_worker_state(beat.worker_state);
-    response->set_message(beat.message);
-    return absl::OkStatus();
-  });
+  return Serve(*context, [&]() { return RecordHeartbeat(*request, response); });
 }
 
 grpc::Status CoordinatorServiceImpl::AwaitGeneration(
@@ -221,69 +235,86 @@ grpc::Status CoordinatorServiceImpl::GetSchedule(
   return status;
 }
 
-grpc::ServerWriteReactor<hsdp::v1::WatchSchedulesResponse>*
-CoordinatorServiceImpl::WatchSchedules(
-    grpc::CallbackServerContext* context,
-    const hsdp::v1::WatchSchedulesRequest* request) {
+grpc::ServerWriteReactor<grpc::ByteBuffer>*
+CoordinatorServiceImpl::WatchSchedules(grpc::CallbackServerContext* context,
+                                       const grpc::ByteBuffer* raw_request) {
   // A stream has no Serve(): the same checks, in the same order.
   absl::Status checked = job_auth_.Check(*context);
-  if (checked.ok()) checked = core_.membership->CheckJobId(request->job_id());
+  hsdp::v1::WatchSchedulesRequest request;
+  if (checked.ok()) {
+    grpc::ByteBuffer bytes(*raw_request);  // shares the slices
+    if (!grpc::SerializationTraits<
+             hsdp::v1::WatchSchedulesRequest>::Deserialize(&bytes, &request)
+             .ok()) {
+      checked = absl::InvalidArgumentError(
+          "WatchSchedulesRequest: not a valid message");
+    }
+  }
+  if (checked.ok()) checked = core_.membership->CheckJobId(request.job_id());
   // A StatusOr may not hold an OK status: start from an error that the
   // lookup below replaces.
   absl::StatusOr<MemberContext> member = absl::UnknownError("not resolved");
   if (checked.ok()) {
     member = core_.membership->ResolveMember(
-        request->worker_id(), request->rank(),
-        request->worker_id() != 0
-            ? std::optional<int64_t>(request->generation())
-            : std::nullopt);
+        request.worker_id(), request.rank(),
+        request.worker_id() != 0 ? std::optional<int64_t>(request.generation())
+                                 : std::nullopt);
     checked = member.status();
   }
   if (checked.ok() && service_.schedule_feed == nullptr) {
     checked = absl::UnimplementedError("this coordinator pushes no schedules");
   }
   if (!checked.ok()) return RefuseWatch(ToGrpcStatus(checked));
-  return service_.schedule_feed->Subscribe(*request, member->generation);
+  return service_.schedule_feed->Subscribe(request, member->generation);
+}
+
+absl::Status CoordinatorServiceImpl::RecordReport(
+    const hsdp::v1::ReportStepRequest& request) {
+  HSDP_RETURN_IF_ERROR(core_.membership->CheckJobId(request.job_id()));
+  hsdp::v1::StepReport report = request.report();
+  // A report is as good as a heartbeat (and checks the worker is known and
+  // not lost).
+  HSDP_ASSIGN_OR_RETURN(HeartbeatResult beat,
+                        core_.membership->Heartbeat(
+                            report.worker_id(), report.rank(), report.step()));
+  report.set_worker_id(beat.worker_id);
+  // Only the current generation's steps move its read-ahead window; a late
+  // report of an ended one still shows in ListWorkers and the metrics.
+  if (beat.rank >= 0 && (request.report().worker_id() == 0 ||
+                         report.generation() == beat.generation)) {
+    report.set_rank(beat.rank);
+    HSDP_RETURN_IF_ERROR(core_.schedule_log->RecordReport(report));
+  }
+  if (report.trace_size() > 0) {
+    // Spans go to the trace collector only: the report book and the
+    // metrics keep per-step numbers.
+    if (core_.traces != nullptr && beat.rank >= 0) {
+      report.set_rank(beat.rank);
+      core_.traces->Record(report);
+    }
+    report.clear_trace();
+  }
+  core_.metrics->RecordReport(report);
+  const int rank = report.rank();
+  core_.reports->Record(std::move(report));  // the last use: no copy
+  if (request.finished()) {
+    HSDP_RETURN_IF_ERROR(core_.membership->MarkFinished(beat.worker_id, rank));
+    RefreshMembershipMetrics(core_);
+  }
+  return absl::OkStatus();
+}
+
+grpc::ServerUnaryReactor* CoordinatorServiceImpl::ReportStep(
+    grpc::CallbackServerContext* context,
+    const hsdp::v1::ReportStepRequest* request,
+    hsdp::v1::ReportStepResponse* /*response*/) {
+  return ServeInline(context, [&]() { return RecordReport(*request); });
 }
 
 grpc::Status CoordinatorServiceImpl::ReportStep(
     grpc::ServerContext* context, const hsdp::v1::ReportStepRequest* request,
     hsdp::v1::ReportStepResponse* /*response*/) {
-  return Serve(*context, [&]() -> absl::Status {
-    HSDP_RETURN_IF_ERROR(core_.membership->CheckJobId(request->job_id()));
-    hsdp::v1::StepReport report = request->report();
-    // A report is as good as a heartbeat (and checks the worker is known and
-    // not lost).
-    HSDP_ASSIGN_OR_RETURN(
-        HeartbeatResult beat,
-        core_.membership->Heartbeat(report.worker_id(), report.rank(),
-                                    report.step()));
-    report.set_worker_id(beat.worker_id);
-    // Only the current generation's steps move its read-ahead window; a late
-    // report of an ended one still shows in ListWorkers and the metrics.
-    if (beat.rank >= 0 && (request->report().worker_id() == 0 ||
-                           report.generation() == beat.generation)) {
-      report.set_rank(beat.rank);
-      HSDP_RETURN_IF_ERROR(core_.schedule_log->RecordReport(report));
-    }
-    if (report.trace_size() > 0) {
-      // Spans go to the trace collector only: the report book and the
-      // metrics keep per-step numbers.
-      if (core_.traces != nullptr && beat.rank >= 0) {
-        report.set_rank(beat.rank);
-        core_.traces->Record(report);
-      }
-      report.clear_trace();
-    }
-    core_.reports->Record(report);
-    core_.metrics->RecordReport(report);
-    if (request->finished()) {
-      HSDP_RETURN_IF_ERROR(
-          core_.membership->MarkFinished(beat.worker_id, report.rank()));
-      RefreshMembershipMetrics(core_);
-    }
-    return absl::OkStatus();
-  });
+  return Serve(*context, [&]() { return RecordReport(*request); });
 }
 
 absl::Status CoordinatorServiceImpl::CheckStoreScope(absl::string_view job_id,

@@ -13,6 +13,7 @@
 #define HSDP_COORDINATOR_SERVICE_COORDINATOR_SERVICE_H_
 
 #include <string>
+#include <utility>
 
 #include "common/status_util.h"
 #include "coordinator/core/coordinator_core.h"
@@ -33,9 +34,15 @@ namespace hsdp::coordinator {
 // Authentication: with a job token, every call must carry `authorization:
 // Bearer <job token>`; a call without it or with another token is
 // UNAUTHENTICATED and reads or changes nothing.
-class CoordinatorServiceImpl final
-    : public hsdp::v1::CoordinatorService::WithCallbackMethod_WatchSchedules<
-          hsdp::v1::CoordinatorService::Service> {
+// The generated service with the quick per-step calls (Heartbeat,
+// ReportStep) on the callback API and WatchSchedules raw (see below).
+using CoordinatorServiceBase =
+    hsdp::v1::CoordinatorService::WithCallbackMethod_Heartbeat<
+        hsdp::v1::CoordinatorService::WithCallbackMethod_ReportStep<
+            hsdp::v1::CoordinatorService::WithRawCallbackMethod_WatchSchedules<
+                hsdp::v1::CoordinatorService::Service>>>;
+
+class CoordinatorServiceImpl final : public CoordinatorServiceBase {
  public:
   // An empty `job_token` leaves the service open (local tests and runs).
   CoordinatorServiceImpl(CoordinatorCore core, ServiceContext service,
@@ -46,6 +53,16 @@ class CoordinatorServiceImpl final
   grpc::Status Join(grpc::ServerContext* context,
                     const hsdp::v1::JoinRequest* request,
                     hsdp::v1::JoinResponse* response) override;
+  // Heartbeat and ReportStep never wait: served inline on gRPC's thread
+  // (the callback API), without handing the call to a synchronous server
+  // thread. (ReportStep fsyncs only for the rare report that completes a
+  // checkpoint or finishes the worker.) The synchronous overloads run the same
+  // bodies for in-process callers (the fuzzer).
+  using CoordinatorServiceBase::Heartbeat;
+  grpc::ServerUnaryReactor* Heartbeat(
+      grpc::CallbackServerContext* context,
+      const hsdp::v1::HeartbeatRequest* request,
+      hsdp::v1::HeartbeatResponse* response) override;
   grpc::Status Heartbeat(grpc::ServerContext* context,
                          const hsdp::v1::HeartbeatRequest* request,
                          hsdp::v1::HeartbeatResponse* response) override;
@@ -65,11 +82,17 @@ class CoordinatorServiceImpl final
                            hsdp::v1::GetScheduleResponse* response) override;
   // Keeps the generated synchronous overload (disabled by the base) visible
   // beside the callback override.
-  using hsdp::v1::CoordinatorService::WithCallbackMethod_WatchSchedules<
-      hsdp::v1::CoordinatorService::Service>::WatchSchedules;
-  grpc::ServerWriteReactor<hsdp::v1::WatchSchedulesResponse>* WatchSchedules(
+  using CoordinatorServiceBase::WatchSchedules;
+  // Raw: the request arrives serialized, and every stream writes the bytes
+  // the feed serialized once per step (schedule_feed.h).
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* WatchSchedules(
       grpc::CallbackServerContext* context,
-      const hsdp::v1::WatchSchedulesRequest* request) override;
+      const grpc::ByteBuffer* request) override;
+  using CoordinatorServiceBase::ReportStep;
+  grpc::ServerUnaryReactor* ReportStep(
+      grpc::CallbackServerContext* context,
+      const hsdp::v1::ReportStepRequest* request,
+      hsdp::v1::ReportStepResponse* response) override;
   grpc::Status ReportStep(grpc::ServerContext* context,
                           const hsdp::v1::ReportStepRequest* request,
                           hsdp::v1::ReportStepResponse* response) override;
@@ -93,11 +116,25 @@ class CoordinatorServiceImpl final
   // so the check sits on the handler path; coordinator_auth_test calls every
   // method of the service's descriptor to catch a handler that skips it.)
   template <typename Body>
-  grpc::Status Serve(const grpc::ServerContext& context, Body&& body) {
+  grpc::Status Serve(const grpc::ServerContextBase& context, Body&& body) {
     return ServeTracked(service_.calls, [&]() -> absl::Status {
       HSDP_RETURN_IF_ERROR(job_auth_.Check(context));
       return body();
     });
+  }
+
+  // Heartbeat's and ReportStep's bodies.
+  absl::Status RecordHeartbeat(const hsdp::v1::HeartbeatRequest& request,
+                               hsdp::v1::HeartbeatResponse* response);
+  absl::Status RecordReport(const hsdp::v1::ReportStepRequest& request);
+  // Runs `body` (returning absl::Status) as Serve does and finishes the
+  // callback call with its result.
+  template <typename Body>
+  grpc::ServerUnaryReactor* ServeInline(grpc::CallbackServerContext* context,
+                                        Body&& body) {
+    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    reactor->Finish(Serve(*context, std::forward<Body>(body)));
+    return reactor;
   }
 
   // Store calls must name the current, running generation: a stale worker

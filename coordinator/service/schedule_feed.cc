@@ -1,13 +1,13 @@
 #include "coordinator/service/schedule_feed.h"
 
 #include <grpcpp/grpcpp.h>
+#include <grpcpp/impl/codegen/proto_utils.h>
 
 #include <algorithm>
 #include <atomic>
 #include <deque>
 #include <iostream>
 #include <limits>
-#include <map>
 #include <utility>
 #include <vector>
 
@@ -17,13 +17,19 @@ namespace hsdp::coordinator {
 
 using hsdp::v1::WatchSchedulesResponse;
 
+namespace {
+
+// The step a drained stream waits for: none.
+constexpr int64_t kNoStep = std::numeric_limits<int64_t>::max();
+
+}  // namespace
+
 // One worker's stream. Writes go out one at a time from a queue; Finish comes
 // after the queued writes (or at once when the client is gone). gRPC holds a
 // reference until OnDone, the feed one while the stream is registered and one
 // around each push, so the object lives until all of them are released.
 // Thread-safe.
-class ScheduleWatch final
-    : public grpc::ServerWriteReactor<WatchSchedulesResponse> {
+class ScheduleWatch final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
   ScheduleWatch(ScheduleFeed* feed, int64_t worker_id, int64_t from_step,
                 GenerationContext generation)
@@ -43,8 +49,9 @@ class ScheduleWatch final
     if (refs_.fetch_sub(1) == 1) delete this;
   }
 
-  // Queues `message`; `last` ends the stream OK after it.
-  void Push(std::shared_ptr<const WatchSchedulesResponse> message, bool last) {
+  // Queues `message` (a serialized WatchSchedulesResponse); `last` ends the
+  // stream OK after it.
+  void Push(std::shared_ptr<const grpc::ByteBuffer> message, bool last) {
     {
       absl::MutexLock lock(&mu_);
       if (finishing_) return;
@@ -102,7 +109,7 @@ class ScheduleWatch final
   // Starts the next write, or Finish once nothing is left; never while holding
   // mu_ (a reaction may run on this thread).
   void Advance() {
-    const WatchSchedulesResponse* write = nullptr;
+    const grpc::ByteBuffer* write = nullptr;
     bool finish = false;
     grpc::Status status;
     {
@@ -130,9 +137,9 @@ class ScheduleWatch final
   // gRPC's and the feed registry's.
   std::atomic<int> refs_{2};
   absl::Mutex mu_;
-  std::deque<std::shared_ptr<const WatchSchedulesResponse>> queue_
+  std::deque<std::shared_ptr<const grpc::ByteBuffer>> queue_
       ABSL_GUARDED_BY(mu_);
-  std::shared_ptr<const WatchSchedulesResponse> in_flight_ ABSL_GUARDED_BY(mu_);
+  std::shared_ptr<const grpc::ByteBuffer> in_flight_ ABSL_GUARDED_BY(mu_);
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
   bool finishing_ ABSL_GUARDED_BY(mu_) = false;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
@@ -142,8 +149,7 @@ class ScheduleWatch final
 namespace {
 
 // A stream refused before it started.
-class RefusedWatch final
-    : public grpc::ServerWriteReactor<WatchSchedulesResponse> {
+class RefusedWatch final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
   explicit RefusedWatch(grpc::Status status) { Finish(std::move(status)); }
   void OnDone() override { delete this; }
@@ -151,7 +157,7 @@ class RefusedWatch final
 
 }  // namespace
 
-grpc::ServerWriteReactor<WatchSchedulesResponse>* RefuseWatch(
+grpc::ServerWriteReactor<grpc::ByteBuffer>* RefuseWatch(
     const grpc::Status& status) {
   return new RefusedWatch(status);
 }
@@ -163,7 +169,7 @@ ScheduleFeed::ScheduleFeed(ScheduleLog* log, Options options)
 
 ScheduleFeed::~ScheduleFeed() { Shutdown(); }
 
-grpc::ServerWriteReactor<WatchSchedulesResponse>* ScheduleFeed::Subscribe(
+grpc::ServerWriteReactor<grpc::ByteBuffer>* ScheduleFeed::Subscribe(
     const hsdp::v1::WatchSchedulesRequest& request,
     const GenerationContext& generation) {
   if (request.from_step() < 0) {
@@ -174,9 +180,18 @@ grpc::ServerWriteReactor<WatchSchedulesResponse>* ScheduleFeed::Subscribe(
   auto* watch = new ScheduleWatch(this, request.worker_id(),
                                   request.from_step(), generation);
   bool registered = false;
+  bool ended = false;
   {
     absl::MutexLock lock(&mu_);
-    if (!stopped_) registered = watches_.insert(watch).second;
+    if (!stopped_) {
+      GenerationStreams& streams = generations_[generation.generation];
+      streams.context = generation;
+      streams.waiting[request.from_step()].push_back(watch);
+      ++streams_;
+      registered = true;
+      // Its generation ended between the member check and now.
+      ended = streams.ended;
+    }
   }
   if (!registered) {
     watch->End(grpc::Status(grpc::StatusCode::UNAVAILABLE,
@@ -184,23 +199,55 @@ grpc::ServerWriteReactor<WatchSchedulesResponse>* ScheduleFeed::Subscribe(
     watch->Unref();  // the registry's
     return watch;
   }
+  if (ended) {
+    watch->End(grpc::Status(
+        grpc::StatusCode::ABORTED,
+        absl::StrCat("generation ", generation.generation, " ended")));
+  }
   log_->Wake();  // the pusher serves the new stream now
   // Valid for gRPC: its reference lasts until OnDone.
   return watch;
 }
 
 void ScheduleFeed::Unregister(ScheduleWatch* watch) {
-  bool erased;
+  bool erased = false;
   {
     absl::MutexLock lock(&mu_);
-    erased = watches_.erase(watch) > 0;
+    auto g = generations_.find(watch->generation().generation);
+    if (g != generations_.end()) {
+      auto bucket = g->second.waiting.find(watch->next_step());
+      if (bucket != g->second.waiting.end()) {
+        std::vector<ScheduleWatch*>& watches = bucket->second;
+        auto it = std::find(watches.begin(), watches.end(), watch);
+        if (it != watches.end()) {
+          *it = watches.back();
+          watches.pop_back();
+          erased = true;
+          --streams_;
+        }
+        if (watches.empty()) g->second.waiting.erase(bucket);
+      }
+      if (g->second.waiting.empty()) generations_.erase(g);
+    }
   }
   if (erased) watch->Unref();
 }
 
 int ScheduleFeed::subscribers() const {
   absl::MutexLock lock(&mu_);
-  return static_cast<int>(watches_.size());
+  return streams_;
+}
+
+std::vector<ScheduleWatch*> ScheduleFeed::RefAll(
+    const GenerationStreams& streams) {
+  std::vector<ScheduleWatch*> all;
+  for (const auto& [step, watches] : streams.waiting) {
+    for (ScheduleWatch* w : watches) {
+      w->Ref();
+      all.push_back(w);
+    }
+  }
+  return all;
 }
 
 void ScheduleFeed::Shutdown() {
@@ -209,9 +256,9 @@ void ScheduleFeed::Shutdown() {
     absl::MutexLock lock(&mu_);
     if (stopped_) return;
     stopped_ = true;
-    for (ScheduleWatch* w : watches_) {
-      w->Ref();
-      watches.push_back(w);
+    for (const auto& [number, streams] : generations_) {
+      std::vector<ScheduleWatch*> some = RefAll(streams);
+      watches.insert(watches.end(), some.begin(), some.end());
     }
   }
   log_->Wake();
@@ -241,32 +288,56 @@ void ScheduleFeed::PushAvailable(int64_t floor) {
       std::clamp(options_.push_ahead, 0, log_->options().read_ahead);
   const int64_t limit = floor + 1 + push_ahead;
   // The generations streams are open for (usually one; two around a change).
-  std::map<int64_t, GenerationContext> generations;
+  std::vector<int64_t> numbers;
   {
     absl::MutexLock lock(&mu_);
     if (stopped_) return;
-    for (const ScheduleWatch* w : watches_) {
-      generations.emplace(w->generation().generation, w->generation());
+    for (const auto& [number, streams] : generations_) {
+      if (!streams.ended) numbers.push_back(number);
     }
   }
-  for (const auto& [number, generation] : generations) {
-    PushGeneration(generation, limit);
+  for (const int64_t number : numbers) PushGeneration(number, limit);
+}
+
+void ScheduleFeed::EndGeneration(int64_t number, const std::string& why) {
+  std::vector<ScheduleWatch*> ended;
+  {
+    absl::MutexLock lock(&mu_);
+    auto g = generations_.find(number);
+    if (g == generations_.end()) return;
+    g->second.ended = true;
+    ended = RefAll(g->second);
+  }
+  for (ScheduleWatch* w : ended) {
+    w->End(grpc::Status(grpc::StatusCode::ABORTED, why));
+    w->Unref();
   }
 }
 
-void ScheduleFeed::PushGeneration(const GenerationContext& generation,
-                                  int64_t limit) {
-  const int64_t number = generation.generation;
+void ScheduleFeed::PushGeneration(int64_t number, int64_t limit) {
   while (true) {
     // The earliest step a stream of this generation waits for.
-    int64_t step = std::numeric_limits<int64_t>::max();
+    int64_t step;
+    GenerationContext generation;
     {
       absl::MutexLock lock(&mu_);
       if (stopped_) return;
-      for (const ScheduleWatch* w : watches_) {
-        if (w->generation().generation == number)
-          step = std::min(step, w->next_step());
+      auto g = generations_.find(number);
+      if (g == generations_.end() || g->second.ended ||
+          g->second.waiting.empty()) {
+        return;
       }
+      step = g->second.waiting.begin()->first;
+      generation = g->second.context;
+    }
+    // A later generation began: this one's streams end now, whatever step
+    // they wait for.
+    const int64_t current = log_->generation();
+    if (number < current) {
+      EndGeneration(number,
+                    absl::StrCat("generation ", number, " ended (generation ",
+                                 current, " began): re-form"));
+      return;
     }
     if (step > limit) return;
     // Within the read-ahead window: seals (and persists) without waiting.
@@ -275,20 +346,7 @@ void ScheduleFeed::PushGeneration(const GenerationContext& generation,
     if (!read.ok()) {
       if (read.status().code() == absl::StatusCode::kAborted) {
         // The generation ended: its workers re-form and open new streams.
-        std::vector<ScheduleWatch*> ended;
-        {
-          absl::MutexLock lock(&mu_);
-          for (ScheduleWatch* w : watches_) {
-            if (w->generation().generation != number) continue;
-            w->Ref();
-            ended.push_back(w);
-          }
-        }
-        for (ScheduleWatch* w : ended) {
-          w->End(grpc::Status(grpc::StatusCode::ABORTED,
-                              std::string(read.status().message())));
-          w->Unref();
-        }
+        EndGeneration(number, std::string(read.status().message()));
         return;
       }
       // No model yet, a shutdown, or a failed persist: the next wake retries.
@@ -299,23 +357,38 @@ void ScheduleFeed::PushGeneration(const GenerationContext& generation,
       }
       return;
     }
-    auto message = std::make_shared<WatchSchedulesResponse>();
-    message->set_step(step);
+    // Serialized once: every stream writes these bytes.
+    WatchSchedulesResponse response;
+    response.set_step(step);
     if (read->drained) {
-      message->set_drained(true);
+      response.set_drained(true);
     } else {
-      message->set_schedule(read->sealed->bytes);
+      response.set_schedule(read->sealed->bytes);
     }
+    auto message = std::make_shared<grpc::ByteBuffer>();
+    bool own_buffer = false;
+    if (!grpc::SerializationTraits<WatchSchedulesResponse>::Serialize(
+             response, message.get(), &own_buffer)
+             .ok()) {
+      std::cerr << "hsdp-coordinator: pushing step " << step
+                << ": cannot serialize it\n";
+      return;
+    }
+    const int64_t next = read->drained ? kNoStep : step + 1;
     std::vector<ScheduleWatch*> targets;
     {
       absl::MutexLock lock(&mu_);
-      for (ScheduleWatch* w : watches_) {
-        if (w->generation().generation != number || w->next_step() != step)
-          continue;
+      auto g = generations_.find(number);
+      if (g == generations_.end()) return;
+      auto bucket = g->second.waiting.find(step);
+      if (bucket == g->second.waiting.end()) continue;
+      targets = std::move(bucket->second);
+      g->second.waiting.erase(bucket);
+      std::vector<ScheduleWatch*>& moved = g->second.waiting[next];
+      for (ScheduleWatch* w : targets) {
         w->Ref();
-        w->set_next_step(read->drained ? std::numeric_limits<int64_t>::max()
-                                       : step + 1);
-        targets.push_back(w);
+        w->set_next_step(next);
+        moved.push_back(w);
       }
     }
     for (ScheduleWatch* w : targets) {

@@ -4,8 +4,11 @@
 //
 // Why: at 1000+ workers a step's burst of unary calls costs a full gRPC call
 // per worker and queues behind itself; a push is one message on a stream that
-// is already open, serialized once per step (the message carries the sealed
-// bytes) and written to every subscriber.
+// is already open. The message is serialized once per step and every stream
+// writes those same bytes (the method is registered raw: a grpc::ByteBuffer
+// copy shares its slices). Streams are indexed by generation and by the step
+// each waits for, so a push, and the pusher's periodic check, touch only the
+// streams a step feeds.
 //
 // When a step is pushed: once the slowest rank completed step s - 1 -
 // push_ahead (ScheduleLog's floor), step s is read through
@@ -29,21 +32,27 @@
 #ifndef HSDP_COORDINATOR_SERVICE_SCHEDULE_FEED_H_
 #define HSDP_COORDINATOR_SERVICE_SCHEDULE_FEED_H_
 
+#include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
-#include <set>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "coordinator/core/schedule_log.h"
-#include "hsdp/v1/coordinator_service.grpc.pb.h"
+#include "hsdp/v1/coordinator_service.pb.h"
 
 namespace grpc {
-class CallbackServerContext;
-}
+class ByteBuffer;
+class Status;
+template <class Response>
+class ServerWriteReactor;
+}  // namespace grpc
 
 namespace hsdp::coordinator {
 
@@ -74,7 +83,7 @@ class ScheduleFeed {
   // A new stream for `request` (already checked by the service: token, job
   // and member) of a worker training in `generation`. Owned by gRPC until its
   // OnDone.
-  grpc::ServerWriteReactor<hsdp::v1::WatchSchedulesResponse>* Subscribe(
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* Subscribe(
       const hsdp::v1::WatchSchedulesRequest& request,
       const GenerationContext& generation);
 
@@ -89,25 +98,39 @@ class ScheduleFeed {
  private:
   friend class ScheduleWatch;
 
+  // The open streams of one generation, by the step each waits for next
+  // (a drained stream waits for none: the largest int64).
+  struct GenerationStreams {
+    GenerationContext context;
+    std::map<int64_t, std::vector<ScheduleWatch*>> waiting;
+    // Its streams were ended ABORTED (the generation is over).
+    bool ended = false;
+  };
+
   void Run();
   // Pushes every step up to the floor's limit that some stream waits for.
   void PushAvailable(int64_t floor);
-  // The same for the streams of one generation; ends them ABORTED when that
-  // generation has ended.
-  void PushGeneration(const GenerationContext& generation, int64_t limit);
+  // The same for the streams of generation `number`; ends them ABORTED when
+  // that generation has ended.
+  void PushGeneration(int64_t number, int64_t limit);
+  // Ends the streams of generation `number` ABORTED with `why`.
+  void EndGeneration(int64_t number, const std::string& why);
   void Unregister(ScheduleWatch* watch);
+  // The streams of `streams`, each with a reference the caller releases.
+  static std::vector<ScheduleWatch*> RefAll(const GenerationStreams& streams);
 
   ScheduleLog* const log_;
   const Options options_;
   mutable absl::Mutex mu_;
-  std::set<ScheduleWatch*> watches_ ABSL_GUARDED_BY(mu_);
+  std::map<int64_t, GenerationStreams> generations_ ABSL_GUARDED_BY(mu_);
+  int streams_ ABSL_GUARDED_BY(mu_) = 0;
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;
   std::thread pusher_;
 };
 
 // A stream that ends with `status` (not OK) at once: a refused
 // WatchSchedules.
-grpc::ServerWriteReactor<hsdp::v1::WatchSchedulesResponse>* RefuseWatch(
+grpc::ServerWriteReactor<grpc::ByteBuffer>* RefuseWatch(
     const grpc::Status& status);
 
 }  // namespace hsdp::coordinator
