@@ -115,6 +115,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   log_options.world_size = job.world_size;
   log_options.shard_size = job.mesh.shard;
   log_options.read_ahead = job.read_ahead;
+  log_options.links = job.links;
   HSDP_ASSIGN_OR_RETURN(s->schedule_log_,
                         ScheduleLog::Create(log_options, job.policy, store));
   // The draining flag is not persisted by the membership: the drain step is.
@@ -154,6 +155,11 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   core.dashboard_url = s->dashboard_url_;
   s->events_ = std::make_unique<CoreEvents>(core);
   s->membership_->SetListener(s->events_.get());
+  // Restored: the generation's layout is not reported again until the next
+  // one forms.
+  if (!s->membership_->Status().topology_warnings.empty()) {
+    s->schedule_log_->SetShardGroupsCrossHosts(s->membership_->generation());
+  }
   ScheduleFeed::Options feed_options;
   feed_options.push_ahead = options.schedule_push_ahead;
   Membership* membership = s->membership_.get();

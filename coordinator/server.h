@@ -59,6 +59,9 @@ struct JobConfig {
   int min_replicas = 1;
   absl::Duration join_wait = absl::Seconds(60);
   absl::Duration reform_window = absl::Seconds(5);
+  // What an all-gather costs within a host and across hosts (undeclared: the
+  // memory-budget planner keeps the most blocks that fit; see planner.h).
+  LinkCosts links;
   // >= 0: before restoring, move every sealed step file after this step
   // aside (StateStore::TruncateSealedSteps). An operator's repair of a
   // damaged state directory; never done otherwise.

@@ -69,6 +69,7 @@ void CoreEvents::OnGenerationFormed(const hsdp::v1::Generation& generation) {
 
 void CoreEvents::OnShardGroupsAcrossHosts(
     int64_t generation, const std::vector<std::string>& warnings) {
+  core_.schedule_log->SetShardGroupsCrossHosts(generation);
   for (const std::string& warning : warnings) {
     std::cerr << "hsdp-coordinator: generation " << generation << ": "
               << warning << "\n";

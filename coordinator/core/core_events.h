@@ -23,7 +23,8 @@ void RefreshMembershipMetrics(const CoordinatorCore& core);
 // ABORTED); a new one starts the schedule log's generation (re-sealing
 // uncommitted steps for its world) and drops the old rendezvous keys; commits
 // move the read-ahead window; metrics count failures and the time they cost;
-// a shard group that spans hosts is logged. Runs under Membership's lock (see
+// a shard group that spans hosts is logged and the schedule log plans for
+// the inter-host link. Runs under Membership's lock (see
 // MembershipListener); thread-safe like the components it calls.
 class CoreEvents final : public MembershipListener {
  public:

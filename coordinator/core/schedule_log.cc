@@ -89,7 +89,7 @@ absl::Status ScheduleLog::SetUnits(const UnitList& units) {
     return absl::OkStatus();
   }
   if (absl::Status s = ValidateUnitList(units); !s.ok()) return s;
-  planner_ = std::make_unique<Planner>(units, MemoryOptions());
+  planner_ = NewPlannerLocked(units);
   absl::Status policy_ok = ValidatePolicy(policies_.back().policy, units);
   if (!policy_ok.ok()) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -187,6 +187,8 @@ absl::Status ScheduleLog::BeginGenerationLocked(
                      context.world_size, ", start step ", context.start_step));
   }
   current_ = context;
+  cross_hosts_ = false;
+  if (planner_ != nullptr) planner_->SetShardGroupsCrossHosts(false);
   generation_starts_.push_back(context);
   TruncateLocked(context.start_step);
   completed_.assign(context.world_size, context.start_step - 1);
@@ -197,6 +199,21 @@ absl::Status ScheduleLog::BeginGenerationLocked(
   // A generation that cannot be persisted now still begins; its first seal
   // persists it again and fails while it cannot.
   return PersistLocked();
+}
+
+void ScheduleLog::SetShardGroupsCrossHosts(int64_t generation) {
+  absl::MutexLock lock(&mu_);
+  if (generation != current_.generation) return;
+  cross_hosts_ = true;
+  if (planner_ != nullptr) planner_->SetShardGroupsCrossHosts(true);
+}
+
+std::unique_ptr<Planner> ScheduleLog::NewPlannerLocked(
+    const UnitList& units) const {
+  auto planner = std::make_unique<Planner>(units, MemoryOptions());
+  planner->SetLinks(options_.links);
+  planner->SetShardGroupsCrossHosts(cross_hosts_);
+  return planner;
 }
 
 void ScheduleLog::RecordCommitted(int64_t step) {

@@ -112,6 +112,9 @@ class ScheduleLog {
     // Reads further than this past floor + 1 are refused; 0 means 4 *
     // read_ahead (at least read_ahead + 1).
     int refuse_ahead = 0;
+    // What an all-gather costs within a host and across hosts, as the job
+    // declares it (planner.h: memory-budget mode weighs kept blocks by it).
+    LinkCosts links;
   };
 
   // Starts from `initial_policy` (version 1, effective step 0) — or, when
@@ -127,6 +130,11 @@ class ScheduleLog {
   ScheduleLog(const ScheduleLog&) = delete;
   ScheduleLog& operator=(const ScheduleLog&) = delete;
   ~ScheduleLog();
+
+  // Generation `generation`'s shard groups span hosts: its steps sealed from
+  // now on are planned for the inter-host link. A new generation starts
+  // without (its formation says so again). Other generations are ignored.
+  void SetShardGroupsCrossHosts(int64_t generation) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Sets the job's unit list (once the first worker joined; also restored from
   // the store's units when present). Setting the same list again is a no-op; a
@@ -228,6 +236,9 @@ class ScheduleLog {
  private:
   ScheduleLog(Options options, StateStore* store);
 
+  // A planner for `units` with the job's links and the generation's layout.
+  std::unique_ptr<Planner> NewPlannerLocked(const UnitList& units) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   MemoryModel::Options MemoryOptions() const;
   // Logs (stderr) that a sealed step runs over its memory budget.
   void ReportOverBudgetLocked(const hsdp::v1::StepSchedule& schedule,
@@ -260,6 +271,8 @@ class ScheduleLog {
 
   mutable absl::Mutex mu_;
   std::vector<PolicyInfo> policies_ ABSL_GUARDED_BY(mu_);
+  // The current generation's shard groups span hosts.
+  bool cross_hosts_ ABSL_GUARDED_BY(mu_) = false;
   std::unique_ptr<Planner> planner_ ABSL_GUARDED_BY(mu_);
   // Steps [0, next_unsealed_) are sealed. Sealing holds mu_ (planning,
   // persisting) and appends under sealed_mu_ too, so reads of sealed steps only

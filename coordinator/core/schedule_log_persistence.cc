@@ -44,8 +44,7 @@ absl::Status ScheduleLog::RestoreLocked(
   for (int64_t step : state.checkpoint_requests())
     checkpoint_requests_.insert(step);
   if (!state.units().empty()) {
-    planner_ = std::make_unique<Planner>(UnitListFromProto(state.units()),
-                                         MemoryOptions());
+    planner_ = NewPlannerLocked(UnitListFromProto(state.units()));
   }
   for (const auto& start : state.generation_starts()) {
     generation_starts_.push_back(GenerationContext{
