@@ -59,7 +59,7 @@
 #include "absl/strings/str_join.h"
 #include "common/mesh.h"
 #include "common/token.h"
-#include "coordinator/grpc_status.h"
+#include "coordinator/service/grpc_status.h"
 #include "hsdp/v1/control_service.grpc.pb.h"
 
 namespace {

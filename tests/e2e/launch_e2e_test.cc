@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -105,8 +106,10 @@ TEST(LaunchE2eTest, AKilledWorkerIsRestartedHealedAndTheJobFinishes) {
   Cluster scratch("launch-restart");
   const std::string run_dir = scratch.dir() + "/run";
   const std::string log = scratch.dir() + "/launch.log";
-  // The coordinator's re-form window, from the environment it inherits: the
-  // restarted worker joins well within it.
+  // The coordinator's re-form window, from the environment it inherits. The
+  // killed worker's connection closed, so the survivors re-form on 1x2 as
+  // soon as they reported in; the restarted worker joins after that and the
+  // job grows back to 2x2 at a step boundary.
   setenv("HSDP_REFORM_WINDOW", "2", /*overwrite=*/1);
   Proc launch = Spawn(LaunchArgv(run_dir, {}, kLaunchSteps), log);
   unsetenv("HSDP_REFORM_WINDOW");
@@ -129,15 +132,32 @@ TEST(LaunchE2eTest, AKilledWorkerIsRestartedHealedAndTheJobFinishes) {
             std::string::npos)
       << out;
 
-  // The survivors trained every step in their first processes.
+  // The survivors trained to the end in their first processes: the complete
+  // replica group (ranks 0 and 1) every step; the killed rank's replica
+  // partner every step but those the job ran on 1x2, while it stood by.
+  constexpr int kPartnerRank = kKilledRank - 1;
+  std::set<int64_t> on_1x2;
   for (int r = 0; r < 4; ++r) {
     if (r == kKilledRank) continue;
     EXPECT_FALSE(
         fs::exists(absl::StrCat(run_dir, "/worker-", r, ".restart-1.jsonl")));
     const std::vector<ReportLine> lines =
         ReadReportLines(absl::StrCat(run_dir, "/worker-", r, ".jsonl"));
+    if (r == kPartnerRank) continue;
     ASSERT_EQ(lines.size(), static_cast<size_t>(kLaunchSteps)) << "rank " << r;
-    for (int s = 0; s < kLaunchSteps; ++s) EXPECT_EQ(lines[s].step, s);
+    for (int s = 0; s < kLaunchSteps; ++s) {
+      EXPECT_EQ(lines[s].step, s);
+      if (lines[s].world == 2) on_1x2.insert(s);
+    }
+  }
+  const std::vector<ReportLine> partner = ReadReportLines(
+      absl::StrCat(run_dir, "/worker-", kPartnerRank, ".jsonl"));
+  std::set<int64_t> partner_steps;
+  for (const ReportLine& l : partner) {
+    EXPECT_TRUE(partner_steps.insert(l.step).second) << "step " << l.step;
+  }
+  for (int s = 0; s < kLaunchSteps; ++s) {
+    EXPECT_NE(partner_steps.count(s) > 0, on_1x2.count(s) > 0) << "step " << s;
   }
   // The restarted process was healed in its first step and trained to the
   // end.
