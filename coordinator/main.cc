@@ -6,14 +6,18 @@
 #include <signal.h>
 
 #include <CLI/CLI.hpp>
+#include <cmath>
 #include <cstdio>
 #include <iostream>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
@@ -22,7 +26,7 @@
 #include "common/policy.h"
 #include "common/status_util.h"
 #include "common/token.h"
-#include "coordinator/schedule_log.h"
+#include "coordinator/core/schedule_log.h"
 #include "coordinator/server.h"
 
 namespace {
@@ -55,6 +59,9 @@ struct Flags {
   int min_replicas = 1;
   double join_wait_s = 60;
   double reform_window_s = 5;
+  // "GBIT_PER_S[,LATENCY_US]"; empty: not declared.
+  std::string intra_host_link;
+  std::string inter_host_link;
   int64_t truncate_sealed_after = -1;
   std::string tls_cert;
   std::string tls_key;
@@ -115,6 +122,28 @@ absl::StatusOr<hsdp::MeshShape> ResolveMesh(const Flags& f) {
   return mesh;
 }
 
+// --intra-host-link / --inter-host-link: "GBIT_PER_S[,LATENCY_US]" (e.g.
+// "1,50": 1 Gbit/s, 50 us per all-gather); empty: not declared.
+absl::StatusOr<hsdp::coordinator::LinkCost> ParseLink(const std::string& flag,
+                                                      const std::string& text) {
+  hsdp::coordinator::LinkCost link;
+  if (text.empty()) return link;
+  const std::vector<std::string> parts = absl::StrSplit(text, ',');
+  double gbit = 0, latency_us = 0;
+  if (parts.size() > 2 || !absl::SimpleAtod(parts[0], &gbit) || gbit <= 0 ||
+      !std::isfinite(gbit) ||
+      (parts.size() == 2 && (!absl::SimpleAtod(parts[1], &latency_us) ||
+                             latency_us < 0 || !std::isfinite(latency_us)))) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(flag, " '", text,
+                     "': expected GBIT_PER_S[,LATENCY_US] with a bandwidth "
+                     "> 0 and a latency >= 0, e.g. 1,50"));
+  }
+  link.bytes_per_second = gbit * 1e9 / 8;
+  link.latency_seconds = latency_us * 1e-6;
+  return link;
+}
+
 absl::StatusOr<JobConfig> BuildJobConfig(const Flags& f) {
   JobConfig job;
   job.job_id = f.job_id;
@@ -149,6 +178,10 @@ absl::StatusOr<JobConfig> BuildJobConfig(const Flags& f) {
   if (f.reform_window_s < 0)
     return absl::InvalidArgumentError("--reform-window must be >= 0");
   job.reform_window = absl::Seconds(f.reform_window_s);
+  HSDP_ASSIGN_OR_RETURN(job.links.intra_host,
+                        ParseLink("--intra-host-link", f.intra_host_link));
+  HSDP_ASSIGN_OR_RETURN(job.links.inter_host,
+                        ParseLink("--inter-host-link", f.inter_host_link));
   if (f.truncate_sealed_after >= 0 && job.state_dir.empty()) {
     return absl::InvalidArgumentError(
         "--truncate-sealed-after needs --state-dir");
@@ -197,6 +230,12 @@ absl::StatusOr<ServerOptions> BuildServerOptions(const Flags& f) {
   return options;
 }
 
+std::string DescribeLink(const hsdp::coordinator::LinkCost& link) {
+  if (!link.declared()) return "(not declared)";
+  return absl::StrCat(link.bytes_per_second * 8 / 1e9, " Gbit/s, ",
+                      link.latency_seconds * 1e6, " us");
+}
+
 // --check-config: the effective job and serving settings (secrets as set or
 // not).
 void PrintConfig(const JobConfig& job, const ServerOptions& options,
@@ -210,6 +249,8 @@ void PrintConfig(const JobConfig& job, const ServerOptions& options,
       << "heartbeat timeout: " << absl::FormatDuration(job.heartbeat_timeout)
       << "\n"
       << "read ahead:        " << job.read_ahead << "\n"
+      << "intra-host link:   " << DescribeLink(job.links.intra_host) << "\n"
+      << "inter-host link:   " << DescribeLink(job.links.inter_host) << "\n"
       << "listen:            " << options.listen << "\n"
       << "metrics listen:    " << options.metrics_listen << "\n"
       << "tls:               " << set(options.tls_cert_pem) << "\n"
@@ -280,9 +321,18 @@ int main(int argc, char** argv) {
                  "boundary")
       ->envname("HSDP_JOIN_WAIT");
   app.add_option("--reform-window", f.reform_window_s,
-                 "Seconds an ending generation waits for its members to "
-                 "confirm")
+                 "Seconds an ending generation waits at most for a member "
+                 "whose connection is up to report in (one whose connection "
+                 "closed is not waited for)")
       ->envname("HSDP_REFORM_WINDOW");
+  app.add_option("--intra-host-link", f.intra_host_link,
+                 "What an all-gather costs within a host, GBIT_PER_S[,"
+                 "LATENCY_US]: the memory-budget planner weighs the blocks "
+                 "it keeps unsharded by it")
+      ->envname("HSDP_INTRA_HOST_LINK");
+  app.add_option("--inter-host-link", f.inter_host_link,
+                 "The same across hosts, used when a shard group spans hosts")
+      ->envname("HSDP_INTER_HOST_LINK");
   app.add_option("--tls-cert", f.tls_cert, "PEM certificate (TLS)")
       ->envname("HSDP_TLS_CERT");
   app.add_option("--tls-key", f.tls_key, "PEM private key (TLS)")

@@ -66,6 +66,11 @@ void FillPrefetchLists(int forward_depth, int backward_depth,
 
 }  // namespace
 
+double LinkCost::Seconds(int64_t bytes) const {
+  if (!declared()) return 0;
+  return latency_seconds + static_cast<double>(bytes) / bytes_per_second;
+}
+
 CollectiveCounts CountCollectives(const StepSchedule& schedule,
                                   int replicate_size) {
   CollectiveCounts counts;
@@ -198,10 +203,38 @@ void Planner::ChooseKeptUnits(const Policy& resolved, StepSchedule* schedule) {
   const int bwd = resolved.backward_prefetch_depth();
   int64_t predicted = PredictedPeakBytes(*schedule);
   const bool over = predicted > budget;
+  if (!over && link().declared()) {
+    // Both ways, and the one that saves more time on the link (on a tie the
+    // plan without links: the knapsack's weights, each block alone, are an
+    // approximation of a peak that is not additive).
+    StepSchedule by_time = *schedule;
+    const int64_t by_time_peak = ChooseKeptUnitsByTime(
+        candidates, budget, fwd, bwd, predicted, &by_time);
+    predicted =
+        KeepSmallestFirst(candidates, budget, fwd, bwd, predicted, schedule);
+    if (by_time_peak <= budget &&
+        Savings(by_time).seconds > Savings(*schedule).seconds) {
+      *schedule = std::move(by_time);
+      predicted = by_time_peak;
+    }
+  } else if (!over) {
+    predicted =
+        KeepSmallestFirst(candidates, budget, fwd, bwd, predicted, schedule);
+  }
+  FillPrefetchLists(fwd, bwd, schedule);
+  schedule->set_predicted_peak_bytes(predicted);
+  schedule->set_over_memory_budget(over);
+  last_predicted_peak_ = predicted;
+}
+
+int64_t Planner::KeepSmallestFirst(const std::vector<int>& candidates,
+                                   int64_t budget, int forward_depth,
+                                   int backward_depth, int64_t predicted,
+                                   StepSchedule* schedule) const {
   for (int i : candidates) {
-    if (over) break;
+    if (!schedule->units(i).reshard_after_forward()) continue;
     schedule->mutable_units(i)->set_reshard_after_forward(false);
-    FillPrefetchLists(fwd, bwd, schedule);
+    FillPrefetchLists(forward_depth, backward_depth, schedule);
     const int64_t with = PredictedPeakBytes(*schedule);
     if (with <= budget) {
       predicted = with;
@@ -209,10 +242,99 @@ void Planner::ChooseKeptUnits(const Policy& resolved, StepSchedule* schedule) {
       schedule->mutable_units(i)->set_reshard_after_forward(true);
     }
   }
-  FillPrefetchLists(fwd, bwd, schedule);
-  schedule->set_predicted_peak_bytes(predicted);
-  schedule->set_over_memory_budget(over);
-  last_predicted_peak_ = predicted;
+  FillPrefetchLists(forward_depth, backward_depth, schedule);
+  return predicted;
+}
+
+int64_t Planner::GatheredBytes(int unit) const {
+  const int64_t s = std::max(1, model_.options().shard_size);
+  return units_[unit].param_bytes() * (s - 1) / s;
+}
+
+AllGatherSavings Planner::Savings(const StepSchedule& schedule) const {
+  AllGatherSavings savings;
+  const int64_t m = std::max(1, schedule.microbatches_size());
+  // The root is kept by the root rule, not by a choice: blocks only.
+  for (int i = 1; i < schedule.units_size() && i < num_units(); ++i) {
+    if (schedule.units(i).reshard_after_forward()) continue;
+    savings.count += m;
+    savings.bytes += m * GatheredBytes(i);
+    savings.seconds +=
+        static_cast<double>(m) * link().Seconds(GatheredBytes(i));
+  }
+  return savings;
+}
+
+int64_t Planner::ChooseKeptUnitsByTime(const std::vector<int>& candidates,
+                                       int64_t budget, int forward_depth,
+                                       int backward_depth, int64_t predicted,
+                                       StepSchedule* schedule) const {
+  const int64_t headroom = std::max<int64_t>(0, budget - predicted);
+  if (candidates.empty()) return predicted;
+  // Weight: what keeping the block alone adds to the model's peak; value:
+  // the time of the backward all-gather it saves.
+  const int64_t base = PredictPeak(*schedule).Total();
+  // Blocks that add nothing to the peak take no slot.
+  const int64_t slot =
+      std::max<int64_t>(1, (headroom + kKnapsackSlots - 1) / kKnapsackSlots);
+  const size_t n = candidates.size();
+  std::vector<int> slots(n);
+  std::vector<int64_t> weight(n);
+  std::vector<double> value(n);
+  for (size_t k = 0; k < n; ++k) {
+    const int i = candidates[k];
+    schedule->mutable_units(i)->set_reshard_after_forward(false);
+    FillPrefetchLists(forward_depth, backward_depth, schedule);
+    weight[k] = std::max<int64_t>(0, PredictPeak(*schedule).Total() - base);
+    schedule->mutable_units(i)->set_reshard_after_forward(true);
+    slots[k] = static_cast<int>(
+        std::min<int64_t>(kKnapsackSlots + 1, (weight[k] + slot - 1) / slot));
+    value[k] = link().Seconds(GatheredBytes(i));
+  }
+  // 0/1 knapsack over the slots; ties keep the earlier (smaller) blocks.
+  std::vector<double> best(kKnapsackSlots + 1, 0.0);
+  std::vector<std::vector<bool>> take(n, std::vector<bool>(kKnapsackSlots + 1));
+  for (size_t k = 0; k < n; ++k) {
+    for (int c = kKnapsackSlots; c >= slots[k]; --c) {
+      const double with = best[c - slots[k]] + value[k];
+      if (with > best[c]) {
+        best[c] = with;
+        take[k][c] = true;
+      }
+    }
+  }
+  std::vector<size_t> chosen;
+  for (size_t k = n, c = kKnapsackSlots; k-- > 0;) {
+    if (take[k][c]) {
+      chosen.push_back(k);
+      c -= static_cast<size_t>(slots[k]);
+    }
+  }
+  for (size_t k : chosen) {
+    schedule->mutable_units(candidates[k])->set_reshard_after_forward(false);
+  }
+  FillPrefetchLists(forward_depth, backward_depth, schedule);
+  int64_t with = PredictedPeakBytes(*schedule);
+  // The weights were each block alone: should the whole set predict over
+  // the budget, give up the blocks worth least per byte until it fits.
+  while (with > budget && !chosen.empty()) {
+    auto worst =
+        std::min_element(chosen.begin(), chosen.end(), [&](size_t a, size_t b) {
+          return value[a] *
+                     static_cast<double>(std::max<int64_t>(1, weight[b])) <
+                 value[b] *
+                     static_cast<double>(std::max<int64_t>(1, weight[a]));
+        });
+    schedule->mutable_units(candidates[*worst])
+        ->set_reshard_after_forward(true);
+    chosen.erase(worst);
+    FillPrefetchLists(forward_depth, backward_depth, schedule);
+    with = PredictedPeakBytes(*schedule);
+  }
+  if (with > budget) return with;
+  // Whatever the slots' rounding left: smallest first, as without links.
+  return KeepSmallestFirst(candidates, budget, forward_depth, backward_depth,
+                           with, schedule);
 }
 
 StepSchedule Planner::Plan(const Policy& policy, const PlanInput& input) {

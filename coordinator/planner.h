@@ -45,6 +45,22 @@
 // block resharded is predicted over the budget the step runs that least-memory
 // plan and says so (StepSchedule.over_memory_budget); SetPolicy refuses such a
 // budget up front when the model is known (CheckMemoryBudget).
+//
+// Links (SetLinks, SetShardGroupsCrossHosts): when the job declares what an
+// all-gather costs on the link its shard groups use (within a host, or across
+// hosts when a shard group spans them), memory-budget mode instead keeps the
+// set of blocks that saves the most predicted all-gather time within the
+// budget: each kept block saves one backward all-gather per microbatch, worth
+// the link's latency plus the bytes a rank receives over its bandwidth, and
+// costs the peak its unsharded parameters add. On a latency-bound link that
+// is still as many blocks as fit (smallest first); on a slow link, where the
+// bytes dominate, it is the blocks that keep the most bytes off the link, so a
+// large block can win over several small ones. The choice is a 0/1 knapsack
+// (weights: what each block alone adds to the peak, in 1/kKnapsackSlots of the
+// budget's headroom), checked against the full prediction and topped up
+// smallest first with what still fits; since the peak is not additive, the
+// plan without links is computed too, and the knapsack's plan is taken only
+// when it saves more time.
 #ifndef HSDP_COORDINATOR_PLANNER_H_
 #define HSDP_COORDINATOR_PLANNER_H_
 
@@ -75,6 +91,35 @@ inline constexpr size_t kMaxRememberedPlans = 256;
 // Distinct plans whose measured peaks are remembered (the least recently
 // measured goes first).
 inline constexpr size_t kMaxMeasuredPlans = 64;
+
+// The knapsack's resolution: the headroom under the budget in this many
+// slots.
+inline constexpr int kKnapsackSlots = 4096;
+
+// What one all-gather costs on a kind of link, as the job declares it.
+struct LinkCost {
+  // 0: not declared.
+  double bytes_per_second = 0;
+  double latency_seconds = 0;
+  bool declared() const { return bytes_per_second > 0; }
+  // Latency plus `bytes` over the bandwidth.
+  double Seconds(int64_t bytes) const;
+};
+
+// The two kinds of link a shard group's all-gathers may cross.
+struct LinkCosts {
+  LinkCost intra_host;
+  LinkCost inter_host;
+};
+
+// The backward all-gathers per step that a schedule's blocks kept unsharded
+// after forward save, per rank: how many, the bytes each rank does not
+// receive, and their predicted time on the link in use (0 when undeclared).
+struct AllGatherSavings {
+  int64_t count = 0;
+  int64_t bytes = 0;
+  double seconds = 0;
+};
 
 // What, besides the policy, a step's schedule depends on.
 struct PlanInput {
@@ -135,6 +180,18 @@ class Planner {
   void ObservePeakMemory(int64_t step, int64_t peak_bytes,
                          int64_t activation_bytes);
 
+  // The links shard-group all-gathers cross, and whether the generation's
+  // shard groups span hosts (then the inter-host link is the one in use).
+  // Apply to steps planned from now on.
+  void SetLinks(const LinkCosts& links) { links_ = links; }
+  void SetShardGroupsCrossHosts(bool cross) { cross_hosts_ = cross; }
+  // The link a shard group's all-gather crosses now.
+  const LinkCost& link() const {
+    return cross_hosts_ ? links_.inter_host : links_.intra_host;
+  }
+  // What `schedule`'s kept blocks save, on link().
+  AllGatherSavings Savings(const hsdp::v1::StepSchedule& schedule) const;
+
   // Bytes added to the model's predictions (0 until the first report).
   int64_t memory_correction_bytes() const { return correction_; }
   // Activations per microbatch the model assumes (0 until reported).
@@ -161,12 +218,31 @@ class Planner {
   // prediction.
   void ChooseKeptUnits(const hsdp::v1::Policy& resolved,
                        hsdp::v1::StepSchedule* schedule);
+  // The links' way of it (see the file comment): returns the predicted peak
+  // of the plan it leaves in `schedule`, starting from `predicted` (every
+  // candidate resharded, under the budget).
+  int64_t ChooseKeptUnitsByTime(const std::vector<int>& candidates,
+                                int64_t budget, int forward_depth,
+                                int backward_depth, int64_t predicted,
+                                hsdp::v1::StepSchedule* schedule) const;
+  // Keeps each of `candidates` still resharded, in order, whose keeping the
+  // budget allows (without links, the whole choice); returns the predicted
+  // peak, starting from `predicted`.
+  int64_t KeepSmallestFirst(const std::vector<int>& candidates, int64_t budget,
+                            int forward_depth, int backward_depth,
+                            int64_t predicted,
+                            hsdp::v1::StepSchedule* schedule) const;
+  // Bytes a rank receives in unit `unit`'s all-gather.
+  int64_t GatheredBytes(int unit) const;
+  int num_units() const { return static_cast<int>(units_.size()); }
   int64_t Corrected(int64_t raw) const;
   // What distinguishes one plan from another for memory.
   static std::string PlanKey(const hsdp::v1::StepSchedule& schedule);
 
   const UnitList units_;
   const MemoryModel model_;
+  LinkCosts links_;
+  bool cross_hosts_ = false;
   int64_t correction_ = 0;
   int64_t activation_bytes_ = 0;
   int64_t last_predicted_peak_ = 0;

@@ -14,14 +14,18 @@
 #include "absl/strings/str_cat.h"
 #include "common/policy.h"
 #include "common/status_util.h"
-#include "coordinator/control_service.h"
-#include "coordinator/coordinator_service.h"
-#include "coordinator/dashboard.h"
-#include "coordinator/http_server.h"
-#include "coordinator/kv_store.h"
-#include "coordinator/membership.h"
-#include "coordinator/metrics.h"
-#include "coordinator/state_store.h"
+#include "coordinator/core/coordinator_core.h"
+#include "coordinator/core/core_events.h"
+#include "coordinator/core/kv_store.h"
+#include "coordinator/core/membership.h"
+#include "coordinator/core/metrics.h"
+#include "coordinator/core/report_book.h"
+#include "coordinator/core/state_store.h"
+#include "coordinator/service/control_service.h"
+#include "coordinator/service/coordinator_service.h"
+#include "coordinator/service/dashboard.h"
+#include "coordinator/service/http_server.h"
+#include "coordinator/service/service_context.h"
 
 namespace hsdp::coordinator {
 namespace {
@@ -111,6 +115,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   log_options.world_size = job.world_size;
   log_options.shard_size = job.mesh.shard;
   log_options.read_ahead = job.read_ahead;
+  log_options.links = job.links;
   HSDP_ASSIGN_OR_RETURN(s->schedule_log_,
                         ScheduleLog::Create(log_options, job.policy, store));
   // The draining flag is not persisted by the membership: the drain step is.
@@ -146,20 +151,32 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   core.kv_store = s->kv_store_.get();
   core.metrics = s->metrics_.get();
   core.reports = s->reports_.get();
-  core.calls = s->calls_.get();
   core.traces = s->traces_.get();
   core.dashboard_url = s->dashboard_url_;
   s->events_ = std::make_unique<CoreEvents>(core);
   s->membership_->SetListener(s->events_.get());
+  // Restored: the generation's layout is not reported again until the next
+  // one forms.
+  if (!s->membership_->Status().topology_warnings.empty()) {
+    s->schedule_log_->SetShardGroupsCrossHosts(s->membership_->generation());
+  }
   ScheduleFeed::Options feed_options;
   feed_options.push_ahead = options.schedule_push_ahead;
+  Membership* membership = s->membership_.get();
+  // A member whose process died is not waited for when its generation ends.
+  feed_options.on_stream_lost = [membership](int64_t worker_id,
+                                             int64_t generation) {
+    membership->ScheduleStreamLost(worker_id, generation);
+  };
   s->schedule_feed_ =
       std::make_unique<ScheduleFeed>(s->schedule_log_.get(), feed_options);
-  core.schedule_feed = s->schedule_feed_.get();
-  s->coordinator_service_ =
-      std::make_unique<CoordinatorServiceImpl>(core, options.job_token);
-  s->control_service_ =
-      std::make_unique<ControlServiceImpl>(core, options.control_token);
+  ServiceContext service;
+  service.calls = s->calls_.get();
+  service.schedule_feed = s->schedule_feed_.get();
+  s->coordinator_service_ = std::make_unique<CoordinatorServiceImpl>(
+      core, service, options.job_token);
+  s->control_service_ = std::make_unique<ControlServiceImpl>(
+      core, service, options.control_token);
   RefreshMembershipMetrics(core);
   s->metrics_->SetReplicas(
       s->membership_->current_generation().mesh().replicate());

@@ -15,9 +15,9 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "common/mesh.h"
-#include "coordinator/schedule_feed.h"
-#include "coordinator/schedule_log.h"
-#include "coordinator/trace_collector.h"
+#include "coordinator/core/schedule_log.h"
+#include "coordinator/core/trace_collector.h"
+#include "coordinator/service/schedule_feed.h"
 #include "hsdp/v1/policy.pb.h"
 
 namespace grpc {
@@ -52,13 +52,16 @@ struct JobConfig {
   std::string state_dir;
   absl::Duration heartbeat_timeout = absl::Seconds(10);
   int read_ahead = kDefaultReadAhead;
-  // Elastic settings (see coordinator/membership.h): the fewest replica
+  // Elastic settings (see coordinator/core/membership.h): the fewest replica
   // groups a generation may have, how long a joiner or an eviction waits for
-  // a step boundary, how long an ending generation waits for its members to
-  // confirm.
+  // a step boundary, how long an ending generation waits at most for a
+  // member whose connection is up to report in.
   int min_replicas = 1;
   absl::Duration join_wait = absl::Seconds(60);
   absl::Duration reform_window = absl::Seconds(5);
+  // What an all-gather costs within a host and across hosts (undeclared: the
+  // memory-budget planner keeps the most blocks that fit; see planner.h).
+  LinkCosts links;
   // >= 0: before restoring, move every sealed step file after this step
   // aside (StateStore::TruncateSealedSteps). An operator's repair of a
   // damaged state directory; never done otherwise.
@@ -92,7 +95,7 @@ struct ServerOptions {
   // skip it).
   bool sync_state = true;
   // WatchSchedules pushes step s once the slowest rank completed s - 1 -
-  // schedule_push_ahead (coordinator/schedule_feed.h).
+  // schedule_push_ahead (coordinator/service/schedule_feed.h).
   int schedule_push_ahead = kDefaultPushAhead;
 };
 

@@ -2,8 +2,9 @@
 # The main job, end to end: set up, build, then train a tiny GPT (gpt-tiny's width, 4 blocks) on a
 # local 2x2 HSDP cluster (4 CPU worker processes + a coordinator) for about two minutes. Halfway through, the reshard
 # policy is changed live with `hsdpctl policy set --reshard-after-forward=false`; the run ends with
-# a summary: loss at start and end, step time and per-rank peak memory before and after the
-# change, and the step at which it took effect.
+# a summary: loss at start and end, step time and per-rank memory before and after the change
+# (the allocated peak, the parameter state within it, the gathered units, RSS), and the step at
+# which it took effect.
 #
 #   ./deploy/demo.sh                      # defaults below
 #   HSDP_DEMO_STEPS=300 ./deploy/demo.sh  # shorter
@@ -88,15 +89,20 @@ print(f"policy change (reshard_after_forward=false) took effect at step {changed
       f" (policy version {after[0]['policy_version']})")
 print(f"step time (rank 0, mean): before {mean([r['step_seconds'] for r in before]):.4f} s,"
       f" after {mean([r['step_seconds'] for r in after]):.4f} s")
-print("peak memory per rank, parameter state (shards + AdamW + grads + unsharded params) / process RSS:")
+print("memory per rank, before -> after the change (MiB, the largest over the steps):")
+print("  allocated: every byte LibTorch allocated at the step's peak (parameter state, gathered")
+print("  units, activations, temporaries); parameter state: this rank's shards, their reduced")
+print("  gradients and AdamW's two moments; gathered: unsharded parameters alive at once; RSS: process")
+def peak(rows, key, scale=mib):
+    return max(r[key] for r in rows) / scale
 for rank in sorted(ranks):
     rows = ranks[rank]
     b = [r for r in rows if r["step"] < changed]
     a = [r for r in rows if r["step"] >= changed]
-    print(f"  rank {rank}: before {max(r['peak_memory_bytes'] for r in b) / mib:.2f} MiB"
-          f" / {max(r['rss_peak_bytes'] for r in b) / mib:.0f} MiB,"
-          f" after {max(r['peak_memory_bytes'] for r in a) / mib:.2f} MiB"
-          f" / {max(r['rss_peak_bytes'] for r in a) / mib:.0f} MiB")
+    print(f"  rank {rank}: allocated {peak(b, 'peak_memory_bytes'):.2f} -> {peak(a, 'peak_memory_bytes'):.2f},"
+          f" parameter state {peak(b, 'parameter_state_bytes'):.2f} -> {peak(a, 'parameter_state_bytes'):.2f},"
+          f" gathered {peak(b, 'gathered_peak_bytes'):.2f} -> {peak(a, 'gathered_peak_bytes'):.2f},"
+          f" RSS {peak(b, 'rss_peak_bytes'):.0f} -> {peak(a, 'rss_peak_bytes'):.0f}")
 if restarts:
     print(f"failures: {len(restarts)}, each restarted by hsdp-launch: {', '.join(restarts)}")
 if not r0[-1]["loss"] < r0[0]["loss"] - 1.0:

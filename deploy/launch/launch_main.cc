@@ -59,7 +59,7 @@
 #include "absl/strings/str_join.h"
 #include "common/mesh.h"
 #include "common/token.h"
-#include "coordinator/grpc_status.h"
+#include "coordinator/service/grpc_status.h"
 #include "hsdp/v1/control_service.grpc.pb.h"
 
 namespace {
@@ -353,7 +353,8 @@ struct Options {
 
 // One status line: step, generation and mesh (once the coordinator said),
 // restarts (when any), mean loss, tokens/s (sum over ranks), step time,
-// per-rank peak memory. `reports` are the live incarnations' report files.
+// per-rank peak memory (every byte LibTorch allocated / the process's RSS).
+// `reports` are the live incarnations' report files.
 std::string ProgressLine(
     const Options& o, const std::vector<std::string>& reports,
     const std::optional<hsdp::v1::GetStatusResponse>& status, int restarts) {
@@ -384,8 +385,8 @@ std::string ProgressLine(
   }
   if (restarts > 0) absl::StrAppend(&job, "  restarts ", restarts);
   return absl::StrFormat(
-      "step %d/%d%s  loss %.4f  %.0f tok/s  step %.3fs  peak MiB (params/rss) "
-      "%s",
+      "step %d/%d%s  loss %.4f  %.0f tok/s  step %.3fs  peak MiB "
+      "(allocated/rss) %s",
       step + 1, o.steps, job, loss, tps, step_s, absl::StrJoin(mem, " "));
 }
 
@@ -629,6 +630,19 @@ int Run(const Options& o) {
         restarted_reports.erase(restarted);
       }
       std::cerr << (tty ? "\r\033[K" : "") << line << std::endl;
+    }
+    // A restarted worker whose first report line came after its
+    // generation's first line (its heal takes a moment longer).
+    for (const auto& [number, g] : scanner.generations()) {
+      for (const std::string& file : g.files) {
+        auto restarted = restarted_reports.find(file);
+        if (restarted == restarted_reports.end()) continue;
+        std::cerr << (tty ? "\r\033[K" : "") << "hsdp-launch: generation "
+                  << number << ": worker " << restarted->second.first
+                  << " rejoined (restart " << restarted->second.second << ")"
+                  << std::endl;
+        restarted_reports.erase(restarted);
+      }
     }
   };
   auto is_state = [&](hsdp::v1::JobState state) {

@@ -1,12 +1,16 @@
-// The ResNet (resnet.h) on synthetic images (synthetic_images.h) as an hsdp
-// Task: the stem and the head are the root unit, each residual block is a unit
-// ("blocks.0", "blocks.1", ...), and block i is constructed only in
-// BuildUnit(i), so a rank holds one block's full parameters at a time.
+// The ResNet (resnet.h) on synthetic images as an hsdp Task: the stem and the
+// head are the root unit, each residual block is a unit ("blocks.0",
+// "blocks.1", ...), constructed only in BuildUnit(i), so a rank holds one
+// block's full parameters at a time.
 //
-// Settings, as --task-option NAME=VALUE (every rank must pass the same;
-// Options() declares their types, defaults and ranges, and resnet-worker
-// --help lists them): channels (8), blocks (3), image_size (8), classes (4),
-// groups (2, GroupNorm groups; must divide channels).
+// The data: class k is a fixed random 3x3 texture tiled over the image; a
+// sample is its class's texture at a random offset plus noise, drawn from
+// hsdp::train::SampleGenerator(seed, step, index) alone.
+//
+// Settings, as --task-option NAME=VALUE (Options() declares their types,
+// defaults and ranges; resnet-worker --help lists them): channels (8), blocks
+// (3), image_size (8), classes (4), groups (2, GroupNorm groups; must divide
+// channels).
 #ifndef HSDP_EXAMPLES_RESNET_RESNET_TASK_H_
 #define HSDP_EXAMPLES_RESNET_RESNET_TASK_H_
 
@@ -17,7 +21,6 @@
 
 #include "absl/status/statusor.h"
 #include "resnet.h"
-#include "synthetic_images.h"
 #include "worker/train/task.h"
 #include "worker/train/task_options.h"
 #include "worker/train/unit.h"
@@ -40,6 +43,7 @@ class ResNetTask : public hsdp::train::Task {
       const std::map<std::string, std::string>& options);
 
   std::string Name() const override { return kModelName; }
+  int Version() const override { return 2; }
   absl::Status Build(const hsdp::train::BuildContext& context) override;
   std::shared_ptr<torch::nn::Module> Model() override { return model_.ptr(); }
   int NumUnits() const override { return static_cast<int>(config_.blocks); }
@@ -49,16 +53,13 @@ class ResNetTask : public hsdp::train::Task {
       const hsdp::train::BatchRequest& request) override;
   absl::StatusOr<at::Tensor> Loss(const hsdp::train::Batch& batch) override;
 
-  const ResNetConfig& config() const { return config_; }
-
  private:
-  explicit ResNetTask(const ResNetConfig& config)
-      : config_(config),
-        data_(config.in_channels, config.image_size, config.classes),
-        blocks_(static_cast<size_t>(config.blocks)) {}
+  explicit ResNetTask(const ResNetConfig& config);
 
-  ResNetConfig config_;
-  SyntheticImages data_;
+  const ResNetConfig config_;
+  // classes x in_channels x 3 x 3: the same for every seed.
+  const at::Tensor textures_;
+  uint64_t seed_ = 0;
   ResNet model_{nullptr};
   // Calling a block enters its unit; empty while the block is released.
   std::vector<hsdp::train::Unit<ResidualBlockImpl>> blocks_;

@@ -468,6 +468,35 @@ TEST(CoordinatorE2eTest, MeshAutoRefusesWithTheFlagToFix) {
   }
 }
 
+// The links the memory-budget planner weighs its choice by: shown by
+// --check-config; a malformed or non-positive figure is refused naming the
+// flag and the expected form.
+TEST(CoordinatorE2eTest, LinkFlagsAreShownAndChecked) {
+  RunResult r = RunCommand({HSDP_COORDINATOR_BIN, "--job-id", "j",
+                            "--world-size", "8", "--inter-host-link", "1,50",
+                            "--intra-host-link", "200", "--check-config"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("intra-host link:   200 Gbit/s, 0 us\n"),
+            std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("inter-host link:   1 Gbit/s, 50 us\n"),
+            std::string::npos)
+      << r.out;
+  r = RunCommand({HSDP_COORDINATOR_BIN, "--job-id", "j", "--world-size", "8",
+                  "--check-config"});
+  EXPECT_NE(r.out.find("inter-host link:   (not declared)\n"),
+            std::string::npos)
+      << r.out;
+  for (const std::string bad : {"0", "1,-5", "fast", "1,2,3", "-1"}) {
+    r = RunCommand({HSDP_COORDINATOR_BIN, "--job-id", "j", "--world-size", "8",
+                    "--inter-host-link", bad, "--check-config"});
+    EXPECT_EQ(r.exit_code, 2) << bad;
+    EXPECT_EQ(r.err, "hsdp-coordinator: --inter-host-link '" + bad +
+                         "': expected GBIT_PER_S[,LATENCY_US] with a "
+                         "bandwidth > 0 and a latency >= 0, e.g. 1,50\n");
+  }
+}
+
 TEST(CoordinatorE2eTest, PortInUseFailsAtStartup) {
   CoordinatorProcess first(HSDP_COORDINATOR_BIN,
                            {"--job-id", "one", "--world-size", "1"});

@@ -15,8 +15,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
-#include "coordinator/kv_store.h"
-#include "coordinator/membership.h"
+#include "coordinator/core/kv_store.h"
+#include "coordinator/core/membership.h"
 #include "coordinator/server.h"
 #include "google/protobuf/descriptor.h"
 #include "hsdp/v1/control_service.grpc.pb.h"

@@ -23,12 +23,12 @@
 #include "absl/synchronization/mutex.h"
 #include "common/policy.h"
 #include "common/units.h"
-#include "coordinator/grpc_status.h"
-#include "coordinator/kv_store.h"
-#include "coordinator/membership.h"
-#include "coordinator/metrics.h"
+#include "coordinator/core/kv_store.h"
+#include "coordinator/core/membership.h"
+#include "coordinator/core/metrics.h"
 #include "coordinator/planner.h"
 #include "coordinator/server.h"
+#include "coordinator/service/grpc_status.h"
 #include "hsdp/v1/control_service.grpc.pb.h"
 #include "hsdp/v1/coordinator_service.grpc.pb.h"
 #include "tests/coordinator/http_test_client.h"
@@ -54,12 +54,14 @@ constexpr int kLayers = 6;
 class ServiceTest : public ::testing::Test {
  protected:
   void StartServer(int world, MeshShape mesh, ServerOptions options = {},
-                   absl::Duration heartbeat_timeout = absl::Seconds(30)) {
+                   absl::Duration heartbeat_timeout = absl::Seconds(30),
+                   absl::Duration reform_window = absl::Seconds(5)) {
     JobConfig job;
     job.job_id = kJob;
     job.world_size = world;
     job.mesh = mesh;
     job.heartbeat_timeout = heartbeat_timeout;
+    job.reform_window = reform_window;
     options.listen = "127.0.0.1:0";
     options.sync_state = false;
     if (options.control_token.empty()) options.control_token = kToken;
@@ -737,6 +739,54 @@ TEST_F(ServiceTest, StoreBlocksUntilSetAndIsScopedByGeneration) {
   set.set_generation(joined.generation() + 1);
   EXPECT_EQ(worker_->StoreSet(Ctx().get(), set, &set_response).error_code(),
             grpc::StatusCode::ABORTED);
+}
+
+// A worker dies mid-step: its schedule stream breaks from its side (as its
+// closed connection does), the survivor reports the failed collective and
+// confirms, and the next generation forms at once, long before the reform
+// window (a minute here) or the heartbeat timeout would end the wait.
+TEST_F(ServiceTest, ADeadWorkersBrokenStreamEndsTheReformWait) {
+  StartServer(2, MeshShape{2, 1}, ServerOptions{}, absl::Seconds(60),
+              absl::Seconds(60));
+  const hsdp::v1::JoinResponse j0 = JoinRank(0);
+  const hsdp::v1::JoinResponse j1 = JoinRank(1);
+  {
+    grpc::ClientContext context;
+    hsdp::v1::WatchSchedulesRequest request;
+    request.set_job_id(kJob);
+    request.set_worker_id(j1.worker_id());
+    request.set_generation(j1.generation());
+    auto stream = worker_->WatchSchedules(&context, request);
+    hsdp::v1::WatchSchedulesResponse message;
+    ASSERT_TRUE(stream->Read(&message));  // the stream is up
+    context.TryCancel();                  // the process is gone
+    while (stream->Read(&message)) {
+    }
+    EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  }
+  hsdp::v1::ReportFailureRequest failure;
+  failure.set_job_id(kJob);
+  failure.set_worker_id(j0.worker_id());
+  failure.set_generation(j0.generation());
+  failure.set_step(0);
+  failure.set_detail("AllReduce: connection closed by peer rank 1");
+  hsdp::v1::ReportFailureResponse failed;
+  ASSERT_TRUE(worker_->ReportFailure(Ctx().get(), failure, &failed).ok());
+  hsdp::v1::AwaitGenerationResponse next;
+  for (int64_t known = j0.generation();;) {
+    hsdp::v1::AwaitGenerationRequest request;
+    request.set_job_id(kJob);
+    request.set_worker_id(j0.worker_id());
+    request.set_generation(known);
+    grpc::Status s = worker_->AwaitGeneration(
+        Ctx(std::chrono::seconds(20)).get(), request, &next);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    if (next.outcome() != hsdp::v1::AWAIT_OUTCOME_ENDED) break;
+  }
+  ASSERT_EQ(next.outcome(), hsdp::v1::AWAIT_OUTCOME_FORMED);
+  EXPECT_EQ(next.generation().generation(), j0.generation() + 1);
+  ASSERT_EQ(next.generation().worker_ids_size(), 1);
+  EXPECT_EQ(next.generation().worker_ids(0), j0.worker_id());
 }
 
 // A silent worker is lost; its generation ends; the survivor confirms and

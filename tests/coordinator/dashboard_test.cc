@@ -1,7 +1,7 @@
 // The dashboard served by a whole in-process coordinator: its page, its JSON
 // API, the policy form's endpoint (the token, and that a change lands exactly
 // as ControlService.SetPolicy's), and the URL GetStatus and hsdpctl report.
-#include "coordinator/dashboard.h"
+#include "coordinator/service/dashboard.h"
 
 #include <google/protobuf/util/json_util.h>
 #include <grpcpp/grpcpp.h>
@@ -18,9 +18,9 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "coordinator/ctl/hsdpctl.h"
-#include "coordinator/dashboard.pb.h"
 #include "coordinator/server.h"
-#include "coordinator/web/web_assets.h"
+#include "coordinator/service/dashboard.pb.h"
+#include "coordinator/service/web/web_assets.h"
 #include "hsdp/v1/control_service.grpc.pb.h"
 #include "hsdp/v1/coordinator_service.grpc.pb.h"
 #include "tests/coordinator/http_test_client.h"

@@ -157,6 +157,136 @@ TEST_F(ElasticTest, ShrinkOnFailureReportWithoutHeartbeatWait) {
                 "shard group 0 spans hosts host-0, host-1" + across}));
 }
 
+// The failed member's schedule stream broke from its side (its process
+// died): once the other members confirmed, the next generation forms at once,
+// without waiting out the window for it — whether the stream broke before the
+// failure was reported or after.
+TEST_F(ElasticTest, FormsWithoutTheWindowWhenTheSilentMembersStreamBroke) {
+  for (const bool lost_first : {true, false}) {
+    SCOPED_TRACE(lost_first ? "stream lost, then the failure report"
+                            : "the failure report, then the stream lost");
+    auto m = Make({2, 2});
+    const std::vector<int64_t> ids = JoinAll(*m);
+    Commit(*m, 0);
+    // The dead worker's watcher call, begun while it was alive, goes on in
+    // the coordinator: its wake-ups show nothing.
+    auto dead_poll = AwaitAsync(*m, ids[3], 0);
+    absl::SleepFor(absl::Milliseconds(300));  // it waits
+    if (lost_first) m->ScheduleStreamLost(ids[3], 0);
+    ASSERT_TRUE(*m->ReportFailure(ids[2], 0, 1, "AllGather: lost peer rank 3"));
+    auto c0 = ConfirmAsync(*m, ids[0], 0);
+    auto c1 = ConfirmAsync(*m, ids[1], 0);
+    auto c2 = ConfirmAsync(*m, ids[2], 0);
+    if (!lost_first) {
+      WaitConfirmed(*m, 3);
+      EXPECT_EQ(m->generation(), 0);  // rank 3 may still be slow
+      m->ScheduleStreamLost(ids[3], 0);
+    }
+    // No clock advance and no Tick: the confirmations alone form it.
+    absl::StatusOr<AwaitResult> r0 = c0.get();
+    ASSERT_TRUE(r0.ok()) << r0.status();
+    EXPECT_EQ(r0->outcome, hsdp::v1::AWAIT_OUTCOME_FORMED);
+    EXPECT_EQ(c1.get()->outcome, hsdp::v1::AWAIT_OUTCOME_FORMED);
+    EXPECT_EQ(c2.get()->outcome, hsdp::v1::AWAIT_OUTCOME_STANDBY);
+    EXPECT_EQ(m->generation(), 1);
+    EXPECT_EQ(Members(*m), (std::vector<int64_t>{ids[0], ids[1]}));
+    // Woken by the end or by the formation: either way, not placed.
+    absl::StatusOr<AwaitResult> dead = dead_poll.get();
+    ASSERT_TRUE(dead.ok()) << dead.status();
+    EXPECT_NE(dead->outcome, hsdp::v1::AWAIT_OUTCOME_FORMED);
+    // Nor does its wake-up count as the worker being there: with the
+    // standby rank 2 it would complete a replica group, and the job would
+    // grow onto a dead worker at the next step boundary.
+    for (const auto& r : VoteAll(*m, {ids[0], ids[1]}, 1, 1)) {
+      ASSERT_TRUE(r.ok()) << r.status();
+      EXPECT_FALSE(r->reform_after);
+    }
+    EXPECT_EQ(m->job_state(), hsdp::v1::JOB_STATE_DEGRADED);
+  }
+}
+
+// A member that is merely slow keeps the window's protection: a lost stream
+// it follows with a heartbeat, and a stream of another generation, do not
+// make the others form without it; it confirms late, inside the window, and
+// the full mesh forms again.
+TEST_F(ElasticTest, AHeartbeatAfterALostStreamKeepsTheWindowForTheMember) {
+  auto m = Make({2, 2});
+  const std::vector<int64_t> ids = JoinAll(*m);
+  Commit(*m, 0);
+  m->ScheduleStreamLost(ids[3], 0);
+  Beat(*m, {ids[3]});                // it is there after all
+  m->ScheduleStreamLost(ids[1], 7);  // not this generation: ignored
+  m->ScheduleStreamLost(999, 0);     // not a worker: ignored
+  ASSERT_TRUE(*m->ReportFailure(ids[2], 0, 1, "AllGather: timed out"));
+  auto c0 = ConfirmAsync(*m, ids[0], 0);
+  auto c1 = ConfirmAsync(*m, ids[1], 0);
+  auto c2 = ConfirmAsync(*m, ids[2], 0);
+  WaitConfirmed(*m, 3);
+  absl::SleepFor(absl::Milliseconds(50));
+  EXPECT_EQ(m->generation(), 0);
+  EXPECT_EQ(m->job_state(), hsdp::v1::JOB_STATE_REFORMING);
+  auto c3 = ConfirmAsync(*m, ids[3], 0);
+  for (auto* c : {&c0, &c1, &c2, &c3}) {
+    absl::StatusOr<AwaitResult> r = c->get();
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->outcome, hsdp::v1::AWAIT_OUTCOME_FORMED);
+  }
+  EXPECT_EQ(m->generation(), 1);
+  EXPECT_EQ(m->current_generation().mesh().replicate(), 2);
+}
+
+// A member that is merely slow is not dropped within the window: every other
+// member reported in, but its connection is up (its stream broke once, and
+// the vote it cast since shows it is there), so the generation waits for it
+// until just before the window ends; it confirms then, and the full mesh
+// forms again with nobody standing by.
+TEST_F(ElasticTest, ASlowMemberIsNotDroppedWithinTheWindow) {
+  auto m = Make({2, 2});
+  const std::vector<int64_t> ids = JoinAll(*m);
+  m->ScheduleStreamLost(ids[3], 0);
+  Commit(*m, 0);  // rank 3 votes: it is there
+  ASSERT_TRUE(*m->ReportFailure(ids[2], 0, 1, "AllReduce: timed out"));
+  auto c0 = ConfirmAsync(*m, ids[0], 0);
+  auto c1 = ConfirmAsync(*m, ids[1], 0);
+  WaitConfirmed(*m, 3);  // the reporter and ranks 0 and 1
+  clock_.Advance(kReformWindow - absl::Milliseconds(1));
+  m->Tick();
+  EXPECT_EQ(m->generation(), 0);
+  EXPECT_EQ(m->job_state(), hsdp::v1::JOB_STATE_REFORMING);
+  auto c2 = ConfirmAsync(*m, ids[2], 0);
+  auto c3 = ConfirmAsync(*m, ids[3], 0);
+  for (auto* c : {&c0, &c1, &c2, &c3}) {
+    absl::StatusOr<AwaitResult> r = c->get();
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->outcome, hsdp::v1::AWAIT_OUTCOME_FORMED);
+  }
+  EXPECT_EQ(m->generation(), 1);
+  EXPECT_EQ(Members(*m), ids);
+  EXPECT_EQ(m->job_state(), hsdp::v1::JOB_STATE_RUNNING);
+}
+
+// The failure report is the reporter's confirmation: with the dead member's
+// stream broken, the other two confirming forms the next generation at once,
+// although the reporter never called AwaitGeneration.
+TEST_F(ElasticTest, AFailureReportCountsAsReportingIn) {
+  auto m = Make({2, 2});
+  const std::vector<int64_t> ids = JoinAll(*m);
+  Commit(*m, 0);
+  m->ScheduleStreamLost(ids[3], 0);
+  ASSERT_TRUE(*m->ReportFailure(ids[1], 0, 1, "AllGather: lost peer rank 3"));
+  EXPECT_EQ(m->Status().confirmed, 1);
+  auto c0 = ConfirmAsync(*m, ids[0], 0);
+  auto c2 = ConfirmAsync(*m, ids[2], 0);
+  absl::StatusOr<AwaitResult> r0 = c0.get();
+  ASSERT_TRUE(r0.ok()) << r0.status();
+  EXPECT_EQ(r0->outcome, hsdp::v1::AWAIT_OUTCOME_FORMED);
+  EXPECT_EQ(c2.get()->outcome, hsdp::v1::AWAIT_OUTCOME_STANDBY);
+  EXPECT_EQ(Members(*m), (std::vector<int64_t>{ids[0], ids[1]}));
+  // A second report of the ended generation changes nothing.
+  EXPECT_FALSE(*m->ReportFailure(ids[0], 0, 1, "again"));
+  EXPECT_EQ(m->generation(), 1);
+}
+
 // A silent worker is lost by its heartbeats; every live member confirms and
 // the next generation forms at once (no window wait: nobody else is missing).
 TEST_F(ElasticTest, ShrinkOnHeartbeatLossFormsOnceEverySurvivorConfirmed) {

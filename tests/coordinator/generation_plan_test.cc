@@ -1,5 +1,5 @@
 // PlanGeneration: who trains where, and who heals whom, from the live workers.
-#include "coordinator/generation_plan.h"
+#include "coordinator/core/generation_plan.h"
 
 #include <gtest/gtest.h>
 

@@ -1,6 +1,6 @@
 // The metrics port's pieces on their own: the HTTP server, /metrics against
 // prometheus-cpp's own exposer, the step history and the dashboard URL.
-#include "coordinator/http_server.h"
+#include "coordinator/service/http_server.h"
 
 #include <prometheus/exposer.h>
 #include <prometheus/registry.h>
@@ -13,9 +13,9 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_split.h"
-#include "coordinator/dashboard.h"
-#include "coordinator/metrics.h"
-#include "coordinator/step_history.h"
+#include "coordinator/core/metrics.h"
+#include "coordinator/core/step_history.h"
+#include "coordinator/service/dashboard.h"
 #include "gtest/gtest.h"
 #include "tests/coordinator/http_test_client.h"
 

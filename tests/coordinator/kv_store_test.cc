@@ -1,4 +1,4 @@
-#include "coordinator/kv_store.h"
+#include "coordinator/core/kv_store.h"
 
 #include <gtest/gtest.h>
 

@@ -1,7 +1,7 @@
 // Membership basics: joins into the open first generation, refusals, later
 // joiners, heartbeats, finishing, options, and restarts on a state directory.
 // The elastic scenarios (shrink, grow, commits) are in elastic_test.cc.
-#include "coordinator/membership.h"
+#include "coordinator/core/membership.h"
 
 #include <gtest/gtest.h>
 

@@ -14,7 +14,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "coordinator/membership.h"
+#include "coordinator/core/membership.h"
+#include "coordinator/core/state_store.h"
 #include "tests/coordinator/core_test_util.h"
 
 namespace hsdp::coordinator::testing {

@@ -3,7 +3,10 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <string>
+#include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "common/policy.h"
 #include "tests/coordinator/core_test_util.h"
 
@@ -303,6 +306,91 @@ TEST(PlannerTest, MemoryBudgetKeepsWhatFits) {
                    {3, 1, 0});
   EXPECT_EQ(Kept(s),
             (std::vector<bool>{true, true, false, true, true, true, true}));
+}
+
+// A large first block, then small ones, on 8 ranks. For every budget that
+// some set of kept blocks predicts exactly: the plan on a declared link stays
+// within the budget and saves at least the all-gather time the plan without
+// links saves, and at most what the best set within the budget saves (every
+// set is tried). On a slow link across hosts, where a kept block saves its
+// bytes' time, it saves more than the most-blocks plan for some budgets, and
+// then as much as the best set.
+TEST(PlannerTest, DeclaredLinksWeighWhatAKeptBlockSaves) {
+  constexpr int64_t kMiB = 1 << 20;
+  const UnitList units = MakeUnits(
+      1 * kMiB, {24 * kMiB, 8 * kMiB, 8 * kMiB, 8 * kMiB, 8 * kMiB, 8 * kMiB});
+  constexpr int kBlocks = 6;
+  Planner planner(units, 8);
+  LinkCosts links;
+  links.intra_host = {/*bytes_per_second=*/50e9, /*latency_seconds=*/1e-3};
+  links.inter_host = {/*bytes_per_second=*/125e6, /*latency_seconds=*/50e-6};
+  // Every set of kept blocks (bit b: block b + 1), its peak and what it
+  // saves on each link.
+  struct Set {
+    int mask = 0;
+    int64_t peak = 0;
+    AllGatherSavings inside, across;
+  };
+  std::vector<Set> sets;
+  for (int mask = 0; mask < (1 << kBlocks); ++mask) {
+    Policy p = P("reshard_after_forward: true");
+    for (int b = 0; b < kBlocks; ++b) {
+      hsdp::v1::UnitOverride* o = p.add_overrides();
+      o->set_unit_glob("layers." + std::to_string(b));
+      o->set_reshard_after_forward((mask & (1 << b)) == 0);
+    }
+    Planner scratch(units, 8);
+    scratch.SetLinks(links);
+    const StepSchedule s = scratch.Plan(p, {});
+    Set set{mask, scratch.PredictPeak(s).Total(), {}, {}};
+    set.inside = scratch.Savings(s);
+    scratch.SetShardGroupsCrossHosts(true);
+    set.across = scratch.Savings(s);
+    sets.push_back(set);
+  }
+  // Budgets where the plan across hosts saves more than the most blocks.
+  int better = 0;
+  for (const Set& at : sets) {
+    const int64_t budget = at.peak;
+    double best_inside = 0, best_across = 0;
+    for (const Set& s : sets) {
+      if (s.peak > budget) continue;
+      best_inside = std::max(best_inside, s.inside.seconds);
+      best_across = std::max(best_across, s.across.seconds);
+    }
+    Policy p;
+    p.set_memory_budget_bytes(budget);
+    Planner plain(units, 8);
+    const StepSchedule most = plain.Plan(p, {});
+    Planner linked(units, 8);
+    linked.SetLinks(links);
+    const StepSchedule inside = linked.Plan(p, {});
+    linked.SetShardGroupsCrossHosts(true);
+    const StepSchedule across = linked.Plan(p, {1, 1, 0});
+    SCOPED_TRACE(absl::StrCat("budget: the peak of set ", at.mask));
+    EXPECT_LE(across.predicted_peak_bytes(), budget);
+    EXPECT_LE(inside.predicted_peak_bytes(), budget);
+    // Never less than the plan without links saves, at most the best set.
+    const double across_saved = linked.Savings(across).seconds;
+    const double most_saved = linked.Savings(most).seconds;
+    EXPECT_GE(across_saved, most_saved);
+    EXPECT_LE(across_saved, best_across + 1e-12);
+    if (across_saved > most_saved) {
+      ++better;
+      EXPECT_NEAR(across_saved, best_across, 1e-12);
+    }
+    linked.SetShardGroupsCrossHosts(false);
+    EXPECT_GE(linked.Savings(inside).seconds, linked.Savings(most).seconds);
+    EXPECT_LE(linked.Savings(inside).seconds, best_inside + 1e-12);
+    EXPECT_GE(linked.Savings(inside).count, plain.Savings(most).count);
+    // The backward lists follow the choice.
+    for (int i = 0; i < across.units_size(); ++i) {
+      for (int j : Bwd(across, i)) {
+        EXPECT_TRUE(across.units(j).reshard_after_forward());
+      }
+    }
+  }
+  EXPECT_GT(better, 0);
 }
 
 TEST(PlannerTest, MemoryBudgetBelowTheLeastPeakRunsTheLeastPlanAndSaysSo) {

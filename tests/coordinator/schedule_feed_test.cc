@@ -1,8 +1,9 @@
-// CoordinatorService.WatchSchedules (coordinator/schedule_feed.h) over real
-// gRPC on loopback: what it pushes is GetSchedule's sealed bytes, in order,
-// when the slowest rank allows, persisted; it catches up streams opened late,
-// ends with drained, refuses strangers, and ends every stream when the
-// coordinator stops.
+// CoordinatorService.WatchSchedules (coordinator/service/schedule_feed.h) over
+// real gRPC on loopback: what it pushes is GetSchedule's sealed bytes, in
+// order, when the slowest rank allows, persisted; it catches up streams opened
+// late, ends with drained, refuses strangers, ends a generation's streams
+// ABORTED when it ends (the next generation's streams get its steps, sealed
+// again), and ends every stream when the coordinator stops.
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
@@ -11,8 +12,8 @@
 #include <string>
 #include <vector>
 
+#include "coordinator/core/state_store.h"
 #include "coordinator/server.h"
-#include "coordinator/state_store.h"
 #include "hsdp/v1/control_service.grpc.pb.h"
 #include "hsdp/v1/coordinator_service.grpc.pb.h"
 #include "tests/coordinator/core_test_util.h"
@@ -33,11 +34,12 @@ constexpr int kWorld = 2;
 
 class FeedTest : public ::testing::Test {
  protected:
-  void Start(int push_ahead, const std::string& state_dir = "") {
+  void Start(int push_ahead, const std::string& state_dir = "",
+             MeshShape mesh = MeshShape{1, kWorld}) {
     JobConfig job;
     job.job_id = kJob;
     job.world_size = kWorld;
-    job.mesh = MeshShape{1, kWorld};
+    job.mesh = mesh;
     job.state_dir = state_dir;
     ServerOptions options;
     options.listen = "127.0.0.1:0";
@@ -47,11 +49,25 @@ class FeedTest : public ::testing::Test {
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = *std::move(server);
     stub_ = CoordinatorService::NewStub(Connect(server_->address()));
+    joined_.clear();
     for (int r = 0; r < kWorld; ++r) {
       hsdp::v1::JoinResponse response;
       ASSERT_TRUE(
           stub_->Join(Ctx().get(), MakeJoin(kJob, kLayers, r), &response).ok());
+      joined_.push_back(response);
     }
+  }
+
+  // A member's stream (by worker id) for `generation`.
+  std::unique_ptr<Stream> WatchAs(int rank, int64_t generation,
+                                  int64_t from_step,
+                                  grpc::ClientContext* context) {
+    hsdp::v1::WatchSchedulesRequest request;
+    request.set_job_id(kJob);
+    request.set_worker_id(joined_[rank].worker_id());
+    request.set_generation(generation);
+    request.set_from_step(from_step);
+    return stub_->WatchSchedules(context, request);
   }
 
   std::unique_ptr<Stream> Watch(int rank, int64_t from_step,
@@ -86,6 +102,7 @@ class FeedTest : public ::testing::Test {
 
   std::unique_ptr<CoordinatorServer> server_;
   std::unique_ptr<CoordinatorService::Stub> stub_;
+  std::vector<hsdp::v1::JoinResponse> joined_;
 };
 
 // Steps arrive in order, as the sealed bytes GetSchedule serves, and only as
@@ -153,6 +170,56 @@ TEST_F(FeedTest, LateStreamCatchesUpAndDrainEndsIt) {
   EXPECT_TRUE(message.schedule().empty());
   EXPECT_FALSE(stream->Read(&message));
   EXPECT_TRUE(stream->Finish().ok());
+}
+
+// Two streams of rank 0 and one of rank 1 wait in generation 0; rank 1's
+// goes away (its process died), rank 0 reports a failed collective: the
+// generation ends, rank 0's streams end ABORTED, and a stream of generation 1
+// (rank 0 alone) gets step 0 sealed again for one rank.
+TEST_F(FeedTest, AnEndedGenerationsStreamsEndAbortedAndTheNextOnesGetItsSteps) {
+  Start(/*push_ahead=*/1, "", MeshShape{kWorld, 1});
+  hsdp::v1::WatchSchedulesResponse message;
+  auto c0 = Ctx(), c0b = Ctx(), c1 = Ctx();
+  std::unique_ptr<Stream> s0 = WatchAs(0, 0, 0, c0.get());
+  std::unique_ptr<Stream> s0b = WatchAs(0, 0, 0, c0b.get());
+  std::unique_ptr<Stream> s1 = WatchAs(1, 0, 0, c1.get());
+  for (Stream* s : {s0.get(), s0b.get(), s1.get()}) {
+    ASSERT_TRUE(s->Read(&message));
+    EXPECT_EQ(message.step(), 0);
+  }
+  c1->TryCancel();
+  while (s1->Read(&message)) {
+  }
+  EXPECT_EQ(s1->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  hsdp::v1::ReportFailureRequest failure;
+  failure.set_job_id(kJob);
+  failure.set_worker_id(joined_[0].worker_id());
+  failure.set_generation(0);
+  failure.set_step(0);
+  failure.set_detail("AllReduce: lost peer rank 1");
+  hsdp::v1::ReportFailureResponse failed;
+  ASSERT_TRUE(stub_->ReportFailure(Ctx().get(), failure, &failed).ok());
+  for (Stream* s : {s0.get(), s0b.get()}) {
+    while (s->Read(&message)) EXPECT_LE(message.step(), 1);
+    EXPECT_EQ(s->Finish().error_code(), grpc::StatusCode::ABORTED);
+  }
+  // Formed at once: rank 1 is gone, rank 0's report was its confirmation.
+  hsdp::v1::AwaitGenerationRequest await;
+  await.set_job_id(kJob);
+  await.set_worker_id(joined_[0].worker_id());
+  await.set_generation(0);
+  hsdp::v1::AwaitGenerationResponse next;
+  ASSERT_TRUE(stub_->AwaitGeneration(Ctx().get(), await, &next).ok());
+  ASSERT_EQ(next.outcome(), hsdp::v1::AWAIT_OUTCOME_FORMED);
+  ASSERT_EQ(next.generation().generation(), 1);
+  auto c = Ctx();
+  std::unique_ptr<Stream> s = WatchAs(0, 1, 0, c.get());
+  ASSERT_TRUE(s->Read(&message));
+  EXPECT_EQ(message.step(), 0);
+  hsdp::v1::StepSchedule parsed;
+  ASSERT_TRUE(parsed.ParseFromString(message.schedule()));
+  EXPECT_EQ(parsed.generation(), 1);
+  EXPECT_EQ(parsed.world_size(), 1);
 }
 
 TEST_F(FeedTest, StrangersAreRefusedAndStopEndsEveryStream) {

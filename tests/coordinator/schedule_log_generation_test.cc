@@ -1,12 +1,15 @@
 // The schedule log across generations: committed steps keep their records,
 // uncommitted ones are sealed again (new records) for the next generation's
 // world, superseded records stay readable, readers of an ended generation are
-// aborted, the global batch follows the batch mode, and a restart rebuilds
-// the same view.
+// aborted, the global batch follows the batch mode, a restart rebuilds the
+// same view, and a generation whose shard groups span hosts is planned for
+// the inter-host link.
 #include <gtest/gtest.h>
 
+#include <vector>
+
 #include "common/policy.h"
-#include "coordinator/schedule_log.h"
+#include "coordinator/core/schedule_log.h"
 #include "tests/coordinator/core_test_util.h"
 
 namespace hsdp::coordinator {
@@ -189,6 +192,63 @@ TEST(ScheduleLogGenerationTest, CheckpointRequestSurvivesResealing) {
   EXPECT_TRUE(Read(*log, 1, g1).checkpoint());
   log->RecordCommitted(1);
   EXPECT_FALSE(Read(*log, 2, g1).checkpoint());
+}
+
+// With the job's links declared, a generation's steps are planned for the
+// intra-host link until it is said to span hosts, then for the inter-host
+// link; the next generation starts within hosts again, and a word about
+// another generation changes nothing. (The budget is one where the two links
+// make the memory-budget planner keep different blocks.)
+TEST(ScheduleLogGenerationTest, ShardGroupsAcrossHostsPlanForTheInterHostLink) {
+  constexpr int64_t kMiB = 1 << 20;
+  const UnitList units = MakeUnits(
+      1 * kMiB, {24 * kMiB, 8 * kMiB, 8 * kMiB, 8 * kMiB, 8 * kMiB, 8 * kMiB});
+  LinkCosts links;
+  links.intra_host = {/*bytes_per_second=*/50e9, /*latency_seconds=*/1e-3};
+  links.inter_host = {/*bytes_per_second=*/125e6, /*latency_seconds=*/50e-6};
+  // A budget where the planner's choice depends on the link.
+  auto plan = [&](int64_t budget, bool across) {
+    Planner planner(units, 2);
+    planner.SetLinks(links);
+    planner.SetShardGroupsCrossHosts(across);
+    hsdp::v1::Policy p;
+    p.set_memory_budget_bytes(budget);
+    hsdp::v1::StepSchedule s = planner.Plan(p, {});
+    std::vector<bool> kept;
+    for (const auto& u : s.units()) kept.push_back(!u.reshard_after_forward());
+    return kept;
+  };
+  int64_t budget = 0;
+  for (int64_t b = 40 * kMiB; b < 200 * kMiB && budget == 0; b += kMiB / 4) {
+    if (plan(b, false) != plan(b, true)) budget = b;
+  }
+  ASSERT_GT(budget, 0) << "no budget where the links disagree";
+  hsdp::v1::Policy policy;
+  policy.set_memory_budget_bytes(budget);
+  ScheduleLog::Options options;
+  options.world_size = 2;
+  options.shard_size = 2;
+  options.read_ahead = 8;
+  options.links = links;
+  auto log = ScheduleLog::Create(options, policy, nullptr);
+  ASSERT_TRUE(log.ok()) << log.status();
+  ASSERT_TRUE((*log)->SetUnits(units).ok());
+  auto kept = [](const hsdp::v1::StepSchedule& s) {
+    std::vector<bool> k;
+    for (const auto& u : s.units()) k.push_back(!u.reshard_after_forward());
+    return k;
+  };
+  const GenerationContext g0{0, 2, 0};
+  EXPECT_EQ(kept(Read(**log, 0, g0)), plan(budget, false));
+  (*log)->SetShardGroupsCrossHosts(7);  // not this generation
+  EXPECT_EQ(kept(Read(**log, 1, g0)), plan(budget, false));
+  (*log)->SetShardGroupsCrossHosts(0);
+  EXPECT_EQ(kept(Read(**log, 2, g0)), plan(budget, true));
+  const GenerationContext g1{1, 2, 3};
+  ASSERT_TRUE((*log)->BeginGeneration(g1).ok());
+  EXPECT_EQ(kept(Read(**log, 3, g1)), plan(budget, false));
+  (*log)->SetShardGroupsCrossHosts(1);
+  EXPECT_EQ(kept(Read(**log, 4, g1)), plan(budget, true));
 }
 
 }  // namespace

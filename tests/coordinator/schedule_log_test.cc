@@ -1,4 +1,4 @@
-#include "coordinator/schedule_log.h"
+#include "coordinator/core/schedule_log.h"
 
 #include <gtest/gtest.h>
 
@@ -14,7 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/policy.h"
-#include "coordinator/trace_collector.h"
+#include "coordinator/core/trace_collector.h"
 #include "tests/coordinator/core_test_util.h"
 
 namespace hsdp::coordinator {

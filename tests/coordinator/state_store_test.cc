@@ -1,4 +1,4 @@
-#include "coordinator/state_store.h"
+#include "coordinator/core/state_store.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>

@@ -1,4 +1,4 @@
-#include "coordinator/trace_collector.h"
+#include "coordinator/core/trace_collector.h"
 
 #include <google/protobuf/struct.pb.h>
 #include <google/protobuf/util/json_util.h>

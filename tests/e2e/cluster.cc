@@ -205,15 +205,25 @@ std::vector<std::string> ModelFlags(int64_t steps) {
           "2"};
 }
 
+std::chrono::seconds ReferenceTimeout(int64_t steps) {
+  return kRunTimeout + std::chrono::seconds(steps / kReferenceStepsPerSecond);
+}
+
 double MaxDiffFromReference(const std::string& params, int world, int64_t steps,
                             const std::string& dir,
                             const std::vector<std::string>& extra) {
   constexpr double kFailed = std::numeric_limits<double>::infinity();
   const std::string reference = dir + "/reference.pt";
   const std::string log = dir + "/reference.log";
-  if (RunReference(world, 1, steps, dir + "/reference.jsonl", reference, log,
-                   extra) != 0) {
-    ADD_FAILURE() << "the reference run failed: " << ReadFile(log);
+  const int rc = RunReference(world, 1, steps, dir + "/reference.jsonl",
+                              reference, log, extra);
+  if (rc != 0) {
+    ADD_FAILURE() << "the reference run failed ("
+                  << (rc == -1
+                          ? absl::StrCat("timed out after ",
+                                         ReferenceTimeout(steps).count(), " s")
+                          : absl::StrCat("exit ", rc))
+                  << "): " << ReadFile(log);
     return kFailed;
   }
   const auto got = LoadParams(params);
@@ -248,7 +258,7 @@ int RunReference(int world, int microbatches, int64_t steps,
   argv.insert(argv.end(), model.begin(), model.end());
   if (!params.empty()) argv.insert(argv.end(), {"--final-params", params});
   argv.insert(argv.end(), extra.begin(), extra.end());
-  return Wait(Spawn(argv, log));
+  return Wait(Spawn(argv, log), ReferenceTimeout(steps));
 }
 
 void ExpectOneLineError(const std::vector<std::string>& argv,

@@ -87,11 +87,17 @@ void ExpectExactLedger(const std::vector<std::string>& reports, int steps,
 // A LibTorch archive of named tensors (--final-params).
 std::map<std::string, at::Tensor> LoadParams(const std::string& path);
 
+// How long RunReference waits: kRunTimeout, plus a second per
+// kReferenceStepsPerSecond steps (a long soak's reference on a loaded 2-core
+// machine runs several minutes).
+inline constexpr int64_t kReferenceStepsPerSecond = 10;
+std::chrono::seconds ReferenceTimeout(int64_t steps);
+
 // Runs the single-process reference (hsdp-worker --reference, gpt-tiny with
 // kDims, microbatch size 2) of a job of `world` ranks x `microbatches` for
 // `steps` steps: its report to `report` and, unless empty, its final
 // parameters to `params`; `extra` flags are appended. Its output goes to
-// `log`. Returns the exit code.
+// `log`. Returns the exit code, -1 past ReferenceTimeout(steps).
 int RunReference(int world, int microbatches, int64_t steps,
                  const std::string& report, const std::string& params,
                  const std::string& log,

@@ -2,7 +2,8 @@
 // the launcher starts it again with its own command line, it rejoins and is
 // healed, the survivors' processes train every step, the job finishes and the
 // launcher exits 0 with the sample ledger over every report file exact. With
-// --max-restarts 0 the first failure stops the job.
+// --max-restarts 0 the first failure stops the job. A non-finite loss fails
+// the job and the launcher with the coordinator's reason.
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <stdlib.h>
@@ -10,6 +11,8 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -78,6 +81,11 @@ std::vector<std::string> LaunchArgv(const std::string& run_dir,
   return argv;
 }
 
+bool IsJsonObject(const std::string& line) {
+  return nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false)
+      .is_object();
+}
+
 // Kills rank `kKilledRank`'s first process once it reported
 // `kKillAfterSteps` steps; false if it never did.
 bool KillWorkerMidRun(const Proc& launch, const std::string& run_dir) {
@@ -98,8 +106,10 @@ TEST(LaunchE2eTest, AKilledWorkerIsRestartedHealedAndTheJobFinishes) {
   Cluster scratch("launch-restart");
   const std::string run_dir = scratch.dir() + "/run";
   const std::string log = scratch.dir() + "/launch.log";
-  // The coordinator's re-form window, from the environment it inherits: the
-  // restarted worker joins well within it.
+  // The coordinator's re-form window, from the environment it inherits. The
+  // killed worker's connection closed, so the survivors re-form on 1x2 as
+  // soon as they reported in; the restarted worker joins after that and the
+  // job grows back to 2x2 at a step boundary.
   setenv("HSDP_REFORM_WINDOW", "2", /*overwrite=*/1);
   Proc launch = Spawn(LaunchArgv(run_dir, {}, kLaunchSteps), log);
   unsetenv("HSDP_REFORM_WINDOW");
@@ -122,15 +132,32 @@ TEST(LaunchE2eTest, AKilledWorkerIsRestartedHealedAndTheJobFinishes) {
             std::string::npos)
       << out;
 
-  // The survivors trained every step in their first processes.
+  // The survivors trained to the end in their first processes: the complete
+  // replica group (ranks 0 and 1) every step; the killed rank's replica
+  // partner every step but those the job ran on 1x2, while it stood by.
+  constexpr int kPartnerRank = kKilledRank - 1;
+  std::set<int64_t> on_1x2;
   for (int r = 0; r < 4; ++r) {
     if (r == kKilledRank) continue;
     EXPECT_FALSE(
         fs::exists(absl::StrCat(run_dir, "/worker-", r, ".restart-1.jsonl")));
     const std::vector<ReportLine> lines =
         ReadReportLines(absl::StrCat(run_dir, "/worker-", r, ".jsonl"));
+    if (r == kPartnerRank) continue;
     ASSERT_EQ(lines.size(), static_cast<size_t>(kLaunchSteps)) << "rank " << r;
-    for (int s = 0; s < kLaunchSteps; ++s) EXPECT_EQ(lines[s].step, s);
+    for (int s = 0; s < kLaunchSteps; ++s) {
+      EXPECT_EQ(lines[s].step, s);
+      if (lines[s].world == 2) on_1x2.insert(s);
+    }
+  }
+  const std::vector<ReportLine> partner = ReadReportLines(
+      absl::StrCat(run_dir, "/worker-", kPartnerRank, ".jsonl"));
+  std::set<int64_t> partner_steps;
+  for (const ReportLine& l : partner) {
+    EXPECT_TRUE(partner_steps.insert(l.step).second) << "step " << l.step;
+  }
+  for (int s = 0; s < kLaunchSteps; ++s) {
+    EXPECT_NE(partner_steps.count(s) > 0, on_1x2.count(s) > 0) << "step " << s;
   }
   // The restarted process was healed in its first step and trained to the
   // end.
@@ -173,6 +200,37 @@ TEST(LaunchE2eTest, MaxRestartsZeroStopsAtTheFirstFailure) {
       << out;
   EXPECT_EQ(out.find("restarting"), std::string::npos) << out;
   EXPECT_FALSE(fs::exists(run_dir + "/worker-3.restart-1.jsonl"));
+}
+
+// A loss that turns non-finite (SGD with a learning rate no model survives)
+// stops the job: the coordinator marks it FAILED with the worker's line, which
+// names the step, rank and microbatch; the launcher restarts no one, says
+// that reason and exits non-zero; every report line is still JSON.
+TEST(LaunchE2eTest, ANonFiniteLossFailsTheJobAndTheLauncher) {
+  Cluster scratch("launch-nonfinite");
+  const std::string run_dir = scratch.dir() + "/run";
+  const std::string log = scratch.dir() + "/launch.log";
+  Proc launch =
+      Spawn(LaunchArgv(run_dir, {"--optimizer", "sgd", "--lr", "1e30"},
+                       /*steps=*/50),
+            log);
+  EXPECT_EQ(Wait(launch, kLaunchTimeout), 1) << ReadFile(log);
+  const std::string out = ReadFile(log);
+  const size_t failed = out.find("hsdp-launch: the job failed: step ");
+  ASSERT_NE(failed, std::string::npos) << out;
+  const std::string reason =
+      out.substr(failed, out.find('\n', failed) - failed);
+  EXPECT_NE(reason.find(": the loss is "), std::string::npos) << reason;
+  EXPECT_NE(reason.find(", microbatch "), std::string::npos) << reason;
+  EXPECT_NE(reason.find("--on-nonfinite skip-step"), std::string::npos)
+      << reason;
+  EXPECT_EQ(out.find("restarting"), std::string::npos) << out;
+  for (int r = 0; r < 4; ++r) {
+    const std::string report = absl::StrCat(run_dir, "/worker-", r, ".jsonl");
+    for (const std::string& line : Lines(ReadFile(report))) {
+      EXPECT_TRUE(IsJsonObject(line)) << report << ": " << line;
+    }
+  }
 }
 
 }  // namespace

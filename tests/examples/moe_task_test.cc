@@ -16,7 +16,7 @@
 #include "gtest/gtest.h"
 #include "tests/worker/train/task_cluster.h"
 #include "worker/train/runner.h"
-#include "worker/train/task_sharding.h"
+#include "worker/train/task_units.h"
 #include "worker/train/training_options.h"
 
 namespace moe {

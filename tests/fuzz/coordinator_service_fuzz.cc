@@ -30,12 +30,13 @@
 #include <type_traits>
 
 #include "absl/strings/str_cat.h"
-#include "coordinator/control_service.h"
-#include "coordinator/coordinator_service.h"
-#include "coordinator/kv_store.h"
-#include "coordinator/membership.h"
-#include "coordinator/metrics.h"
-#include "coordinator/schedule_log.h"
+#include "coordinator/core/kv_store.h"
+#include "coordinator/core/membership.h"
+#include "coordinator/core/metrics.h"
+#include "coordinator/core/report_book.h"
+#include "coordinator/core/schedule_log.h"
+#include "coordinator/service/control_service.h"
+#include "coordinator/service/coordinator_service.h"
 #include "hsdp/v1/control_service.pb.h"
 #include "hsdp/v1/coordinator_service.pb.h"
 #include "tests/fuzz/fuzz_check.h"
@@ -68,11 +69,13 @@ struct Coordinator {
     core.kv_store = &kv_store;
     core.metrics = SharedMetrics();
     core.reports = &reports;
-    core.calls = &calls;
+    ServiceContext service;
+    service.calls = &calls;
     // Long polls answer at once: a fuzz input must not wait out a window.
-    core.max_long_poll = absl::Milliseconds(1);
-    worker = std::make_unique<CoordinatorServiceImpl>(core, kJobToken);
-    control = std::make_unique<ControlServiceImpl>(core, kControlToken);
+    service.max_long_poll = absl::Milliseconds(1);
+    worker = std::make_unique<CoordinatorServiceImpl>(core, service, kJobToken);
+    control =
+        std::make_unique<ControlServiceImpl>(core, service, kControlToken);
   }
 
   // Metrics are only written by the handlers, never read back: one registry

@@ -1,6 +1,7 @@
 #include "worker/train/checkpointing.h"
 
 #include <glog/logging.h>
+#include <torch/serialize/output-archive.h>
 
 #include <utility>
 #include <vector>
@@ -147,6 +148,15 @@ absl::Status Checkpointing::Save(int64_t step, fsdp::Engine& engine,
 
 absl::Status Checkpointing::Finish() {
   return saver_ == nullptr ? absl::OkStatus() : saver_->Wait();
+}
+
+absl::Status SaveParams(
+    const std::vector<std::pair<std::string, at::Tensor>>& params,
+    const std::string& path) {
+  torch::serialize::OutputArchive archive;
+  for (const auto& [name, t] : params) archive.write(name, t.detach().cpu());
+  archive.save_to(path);
+  return absl::OkStatus();
 }
 
 }  // namespace hsdp::train

@@ -16,7 +16,10 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "worker/ckpt/saver.h"
 #include "worker/comm/device_mesh.h"
@@ -81,6 +84,12 @@ class Checkpointing {
   std::unique_ptr<ckpt::CheckpointSaver> saver_;
   ckpt::ReadStats read_stats_;
 };
+
+// A LibTorch archive of named tensors (on the CPU): --final-params, the
+// full parameters at the end of a run (not a checkpoint).
+absl::Status SaveParams(
+    const std::vector<std::pair<std::string, at::Tensor>>& params,
+    const std::string& path);
 
 }  // namespace hsdp::train
 

@@ -5,16 +5,28 @@
 
 #include <torch/optim/optimizer.h>
 
+#include <cstdint>
 #include <memory>
 #include <vector>
 
 #include "worker/train/runner.h"
+#include "worker/train/task.h"
 
 namespace hsdp::train {
 
 // AdamW or SGD (with momentum and weight decay) as `options` says.
 std::unique_ptr<torch::optim::Optimizer> MakeJobOptimizer(
     const OptimizerOptions& options, const std::vector<at::Tensor>& params);
+
+// The task's optimizer, else the job's.
+std::unique_ptr<torch::optim::Optimizer> MakeOptimizer(
+    Task& task, const TrainingOptions& t,
+    const std::vector<at::Tensor>& params);
+
+// Bytes of `optimizer`'s per-parameter state tensors (AdamW's and Adam's
+// moments, SGD's momentum buffers; 0 for an optimizer of another kind, and
+// before its first step, which creates the state).
+int64_t OptimizerStateBytes(const torch::optim::Optimizer& optimizer);
 
 // Sets every parameter group's learning rate to the schedule's value for
 // `step`.

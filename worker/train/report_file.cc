@@ -106,8 +106,9 @@ void ReportFile::Write(const StepLine& l) {
   WriteLine(absl::StrFormat(
       "{\"rank\":%d,\"step\":%d,%s,\"step_seconds\":%.6f,"
       "\"tokens_per_second\":%.1f,\"lr\":%.9g,"
-      "\"peak_memory_bytes\":%d,\"activation_bytes\":%d,\"rss_bytes\":%d,\"rss_"
-      "peak_bytes\":%d,"
+      "\"peak_memory_bytes\":%d,\"activation_bytes\":%d,"
+      "\"parameter_state_bytes\":%d,\"gathered_peak_bytes\":%d,"
+      "\"rss_bytes\":%d,\"rss_peak_bytes\":%d,"
       "\"policy_version\":%d,\"reshard_after_forward\":\"%s\","
       "\"microbatches\":%d,"
       "\"all_gather_seconds\":%.6f,\"reduce_scatter_seconds\":%.6f,"
@@ -117,11 +118,12 @@ void ReportFile::Write(const StepLine& l) {
       "\"commit_seconds\":%.6f%s%s",
       l.rank, l.step, LossFields(l.loss), l.step_seconds, l.tokens_per_second,
       l.learning_rate, l.peak_memory_bytes, l.activation_bytes,
-      ProcStatusBytes("VmRSS:"), ProcStatusBytes("VmHWM:"), l.policy_version,
-      l.reshard_after_forward, l.microbatches, l.all_gather_seconds,
-      l.reduce_scatter_seconds, l.checkpoint ? "true" : "false", l.world_size,
-      l.first_sample, l.sample_count, l.generation, l.first_microbatch,
-      l.microbatch_count, l.commit_seconds,
+      l.parameter_state_bytes, l.gathered_peak_bytes, ProcStatusBytes("VmRSS:"),
+      ProcStatusBytes("VmHWM:"), l.policy_version, l.reshard_after_forward,
+      l.microbatches, l.all_gather_seconds, l.reduce_scatter_seconds,
+      l.checkpoint ? "true" : "false", l.world_size, l.first_sample,
+      l.sample_count, l.generation, l.first_microbatch, l.microbatch_count,
+      l.commit_seconds,
       l.heal_crc32c.has_value()
           ? absl::StrFormat(",\"heal_crc32c\":\"%08x\"", *l.heal_crc32c)
           : std::string(),

@@ -44,8 +44,16 @@ struct StepLine {
   double step_seconds = 0;
   double tokens_per_second = 0;
   double learning_rate = 0;
+  // Every byte LibTorch allocated at the step's peak (parameter state,
+  // gathered units, activations, temporaries, the batch): fsdp::
+  // MeasuredPeakBytes.
   int64_t peak_memory_bytes = 0;
   int64_t activation_bytes = 0;
+  // This rank's share of the training state: its parameter shards, their
+  // reduced gradients and the optimizer's state (AdamW: two more copies).
+  int64_t parameter_state_bytes = 0;
+  // The most gathered (unsharded) parameter bytes alive at once.
+  int64_t gathered_peak_bytes = 0;
   int64_t policy_version = 0;
   // One character per unit: '1' reshards after forward.
   std::string reshard_after_forward;

@@ -13,14 +13,16 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_util.h"
+#include "worker/train/checkpointing.h"
+#include "worker/train/elastic_loop.h"
+#include "worker/train/microbatch.h"
 #include "worker/train/optimizer.h"
 #include "worker/train/report_file.h"
-#include "worker/train/run_support.h"
-#include "worker/train/shard_context.h"
-#include "worker/train/sharded_run.h"
+#include "worker/train/run_setup.h"
 #include "worker/train/task_checks.h"
-#include "worker/train/task_sharding.h"
+#include "worker/train/task_units.h"
 #include "worker/train/training_options.h"
+#include "worker/train/unit_entry.h"
 
 namespace hsdp::train {
 namespace {
@@ -38,6 +40,12 @@ absl::Status Guard(const std::string& what, Fn fn) {
   } catch (const std::exception& e) {
     return absl::InternalError(absl::StrCat(what, ": ", e.what()));
   }
+}
+
+// `s` with "step N: " before its message.
+absl::Status StepError(int64_t step, const absl::Status& s) {
+  if (s.ok()) return s;
+  return absl::Status(s.code(), absl::StrCat("step ", step, ": ", s.message()));
 }
 
 // Clips the gradients of `params` (unsharded) as fsdp::ClipGradNormGlobal
@@ -69,12 +77,17 @@ absl::Status TrainReference(std::unique_ptr<Task> task,
   SetThreads(o.process.threads);
   const c10::Device device(c10::kCPU);
   HSDP_RETURN_IF_ERROR(task->Build(BuildContext{device, t.seed}));
-  std::vector<std::shared_ptr<UnitBinding>> bindings;
+  std::vector<UnitSpec> units;
+  HSDP_RETURN_IF_ERROR(BuildAllUnits(*task, device, &units));
   std::vector<std::string> unit_names;
-  HSDP_RETURN_IF_ERROR(BuildAllUnits(*task, device, &bindings, &unit_names));
+  std::vector<std::shared_ptr<UnitBinding>> bindings;
+  for (const UnitSpec& unit : units) {
+    unit_names.push_back(unit.name);
+    bindings.push_back(unit.binding);
+  }
   HSDP_RETURN_IF_ERROR(
       CheckUnitGlob("--recompute-units", t.recompute_units, unit_names));
-  DirectShardContext units_context(task->NumUnits());
+  DirectShardContext units_context(units);
   UnitBindings unit_bindings;
   unit_bindings.Bind(std::move(bindings), &units_context);
   task->Shard(units_context);
@@ -110,9 +123,20 @@ absl::Status TrainReference(std::unique_ptr<Task> task,
       if (check_task) {
         HSDP_RETURN_IF_ERROR(CheckDeterministicBatch(*task, request, batch));
       }
-      HSDP_ASSIGN_OR_RETURN(at::Tensor l, MicrobatchLoss(*task, batch));
+      units_context.BeginForward();
+      absl::StatusOr<at::Tensor> loss_or;
+      try {
+        loss_or = MicrobatchLoss(*task, batch);
+      } catch (const std::exception&) {
+        if (units_context.misuse().ok()) throw;
+        return StepError(step, units_context.misuse());
+      }
+      HSDP_ASSIGN_OR_RETURN(at::Tensor l, std::move(loss_or));
       if (check_task) {
-        HSDP_RETURN_IF_ERROR(CheckLossGraph(l, *task->Model()));
+        const std::vector<GradLeaf> leaves = GradLeaves(l);
+        HSDP_RETURN_IF_ERROR(CheckRegistered(leaves, *task->Model()));
+        HSDP_RETURN_IF_ERROR(
+            StepError(step, units_context.CheckEntered(leaves)));
       }
       l = l / parts;
       (grad_scale == 1.0 ? l : l * grad_scale).backward();

@@ -5,13 +5,30 @@
 #include <torch/nn/module.h>
 
 #include <unordered_set>
+#include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/policy.h"
 #include "common/status_util.h"
 
 namespace hsdp::train {
+namespace {
+
+// Autograd nodes that only move or reshape data: naming one says little about
+// where a tensor is used.
+bool IsLayoutOnly(absl::string_view node_name) {
+  for (absl::string_view prefix :
+       {"TBackward", "TransposeBackward", "PermuteBackward", "ViewBackward",
+        "ReshapeAliasBackward", "ExpandBackward", "UnsqueezeBackward",
+        "SqueezeBackward", "ToCopyBackward"}) {
+    if (absl::StartsWith(node_name, prefix)) return true;
+  }
+  return false;
+}
+
+}  // namespace
 
 absl::Status CheckUnitGlob(absl::string_view flag, const std::string& glob,
                            const std::vector<std::string>& unit_names) {
@@ -47,36 +64,54 @@ absl::Status CheckDeterministicBatch(Task& task, const BatchRequest& request,
       "index), or every rank and the reference train on different data"));
 }
 
-absl::Status CheckLossGraph(const at::Tensor& loss,
-                            const torch::nn::Module& model) {
-  if (!loss.defined() || loss.grad_fn() == nullptr) return absl::OkStatus();
-  std::unordered_set<const c10::TensorImpl*> params;
-  for (const at::Tensor& p : model.parameters(/*recurse=*/true))
-    params.insert(p.unsafeGetTensorImpl());
-  std::vector<torch::autograd::Node*> stack = {loss.grad_fn().get()};
-  std::unordered_set<const torch::autograd::Node*> seen = {stack.front()};
+std::vector<GradLeaf> GradLeaves(const at::Tensor& loss) {
+  std::vector<GradLeaf> leaves;
+  if (!loss.defined() || loss.grad_fn() == nullptr) return leaves;
+  // Each node with the nearest node above it that computes (a Linear's
+  // weight is reached through a transpose, from the matmul).
+  std::vector<std::pair<torch::autograd::Node*, std::string>> stack = {
+      {loss.grad_fn().get(), "the loss"}};
+  std::unordered_set<const torch::autograd::Node*> seen = {
+      loss.grad_fn().get()};
   while (!stack.empty()) {
-    torch::autograd::Node* node = stack.back();
+    auto [node, used_by] = std::move(stack.back());
     stack.pop_back();
     if (const auto* acc =
             dynamic_cast<const torch::autograd::AccumulateGrad*>(node)) {
-      const at::Tensor& leaf = acc->variable;
-      if (!params.count(leaf.unsafeGetTensorImpl())) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "a tensor of shape ", c10::str(leaf.sizes()),
-            " that requires grad reaches the loss but is not a parameter "
-            "registered under Task::Model(): register it (register_parameter, "
-            "or register_module for the module that holds it) so that it is "
-            "sharded, reduced and trained like the others"));
-      }
+      leaves.push_back({acc->variable, std::move(used_by)});
       continue;
     }
+    const std::string name = node->name();
+    if (!IsLayoutOnly(name)) used_by = name;
     for (const torch::autograd::Edge& edge : node->next_edges()) {
       if (edge.function != nullptr && seen.insert(edge.function.get()).second)
-        stack.push_back(edge.function.get());
+        stack.emplace_back(edge.function.get(), used_by);
     }
   }
+  return leaves;
+}
+
+absl::Status CheckRegistered(const std::vector<GradLeaf>& leaves,
+                             const torch::nn::Module& model) {
+  std::unordered_set<const c10::TensorImpl*> params;
+  for (const at::Tensor& p : model.parameters(/*recurse=*/true))
+    params.insert(p.unsafeGetTensorImpl());
+  for (const GradLeaf& leaf : leaves) {
+    if (params.count(leaf.tensor.unsafeGetTensorImpl())) continue;
+    return absl::FailedPreconditionError(absl::StrCat(
+        "a tensor of shape ", c10::str(leaf.tensor.sizes()),
+        " that requires grad reaches the loss (through ", leaf.used_by,
+        ") but is not a parameter registered under Task::Model(): a submodule "
+        "built but not passed to register_module, or a tensor not passed to "
+        "register_parameter. Register it, so that it is sharded, reduced and "
+        "trained like the others"));
+  }
   return absl::OkStatus();
+}
+
+absl::Status CheckLossGraph(const at::Tensor& loss,
+                            const torch::nn::Module& model) {
+  return CheckRegistered(GradLeaves(loss), model);
 }
 
 }  // namespace hsdp::train

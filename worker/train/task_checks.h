@@ -31,10 +31,26 @@ absl::Status CheckUnitGlob(absl::string_view flag, const std::string& glob,
 absl::Status CheckDeterministicBatch(Task& task, const BatchRequest& request,
                                      const Batch& first);
 
-// FAILED_PRECONDITION when autograd reaches, from `loss`, a leaf tensor that
-// requires grad but is not a parameter of `model` (a submodule built but not
-// registered, a tensor never passed to register_parameter): it would not be
-// sharded, reduced or stepped. Call before backward.
+// A leaf tensor that requires grad, reached by autograd from a loss, and the
+// nearest autograd node above it that computes rather than only reshapes
+// ("AddmmBackward0" for a Linear's weight, not its transpose).
+struct GradLeaf {
+  at::Tensor tensor;
+  std::string used_by;
+};
+
+// Every leaf that requires grad which autograd reaches from `loss` (each
+// once), without running backward. Nothing when `loss` has no grad_fn.
+std::vector<GradLeaf> GradLeaves(const at::Tensor& loss);
+
+// FAILED_PRECONDITION when one of `leaves` is not a parameter of `model` (a
+// submodule built but not registered, a tensor never passed to
+// register_parameter): it would not be sharded, reduced or stepped, and its
+// initial value would come from torch's global generator.
+absl::Status CheckRegistered(const std::vector<GradLeaf>& leaves,
+                             const torch::nn::Module& model);
+
+// CheckRegistered(GradLeaves(loss), model). Call before backward.
 absl::Status CheckLossGraph(const at::Tensor& loss,
                             const torch::nn::Module& model);
 

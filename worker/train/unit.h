@@ -25,8 +25,9 @@
 // job says), in the reference and before the runner bound it directly. Only
 // `x` is the unit's input: the extra arguments are captured by value and are
 // not differentiated through the unit's recompute. `block->forward(x)`
-// bypasses the unit: in a sharded run its parameters are not there (the
-// runner names the likely unit in its error).
+// bypasses the unit: in a sharded run its parameters are not there, and the
+// runner stops naming the likely unit; the reference stops too, naming it,
+// when the forward never entered that unit.
 //
 // The runner binds the wrapper to its unit through the UnitSpec that Spec()
 // returns: the spec from the last BuildUnit(i) call is the one bound, so a

@@ -1,6 +1,7 @@
 #include "worker/train/worker_main.h"
 
 #include <CLI/CLI.hpp>
+#include <csignal>
 #include <cstdlib>
 #include <iostream>
 #include <map>
@@ -68,6 +69,13 @@ int Fail(const std::string& program, const std::string& message) {
 // typed options, without them); exactly one is set.
 int RunWorkerMain(int argc, char** argv, const TaskFactory* factory,
                   const TaskDefinition* definition) {
+  // Gloo's TCP transport writes to its peers' sockets without MSG_NOSIGNAL: a
+  // peer that died or aborted its communicators mid-write would kill this
+  // process with SIGPIPE, turning one lost worker into two. Ignored, the
+  // write fails with EPIPE, which the collective reports and the run
+  // re-forms from (Python, under PyTorch's Gloo, ignores SIGPIPE the same
+  // way).
+  std::signal(SIGPIPE, SIG_IGN);
   const std::string program = ProgramName(argc > 0 ? argv[0] : nullptr);
   WorkerOptions w;
   TrainingOptions& t = w.training;

@@ -19,7 +19,9 @@
 //   }
 //
 // Exit status: 0 on success, 1 on a runtime error (one line "NAME: reason" on
-// stderr), 2 on a bad command line.
+// stderr), 2 on a bad command line. It sets SIGPIPE to ignored for the
+// process: a write to a peer that went away is then an error the run
+// recovers from, not the death of this worker.
 #ifndef HSDP_WORKER_TRAIN_WORKER_MAIN_H_
 #define HSDP_WORKER_TRAIN_WORKER_MAIN_H_
 

@@ -13,7 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/token.h"
-#include "coordinator/membership.h"
+#include "coordinator/core/membership.h"
 #include "coordinator/server.h"
 #include "tests/common/test_certs.h"
 #include "worker/agent/agent.h"

@@ -24,8 +24,8 @@
 #include "absl/strings/str_replace.h"
 #include "gtest/gtest.h"
 #include "tests/worker/fsdp/fsdp_test_util.h"
-#include "worker/train/shard_context.h"
-#include "worker/train/task_sharding.h"
+#include "worker/train/task_units.h"
+#include "worker/train/unit_entry.h"
 
 namespace hsdp::models {
 namespace {

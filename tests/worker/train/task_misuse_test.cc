@@ -5,6 +5,7 @@
 // an in-process coordinator) and through RunReference.
 #include <torch/torch.h>
 
+#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
@@ -31,12 +32,19 @@ enum class Misuse {
   kDirectCall,          // blocks[1]->forward(x): bypasses its unit
   kWrongOrder,          // blocks[1] entered before blocks[0]
   kSkipped,             // blocks[1] never entered: supported
+  kSkippedOnSomeRanks,  // blocks[1] skipped for some data: supported
   kTwice,               // blocks[0] entered twice: supported
   kUnregisteredModule,  // a Linear built but not registered
   kUnregisteredTensor,  // a requires_grad tensor not registered
   kNonScalarLoss,
+  kNanAtStep,  // one microbatch of one step is NaN
   kNondeterministicBatch,
 };
+
+// kNanAtStep: the samples of global microbatch kNanSlot of step kNanStep (rank
+// 1's only microbatch on 1x2) are NaN.
+constexpr int64_t kNanStep = 1;
+constexpr int64_t kNanSlot = 1;
 
 class BlockImpl : public torch::nn::Module {
  public:
@@ -83,6 +91,10 @@ class MisuseTask : public Task {
       y[b] = s % kClasses;
     }
     if (misuse_ == Misuse::kNondeterministicBatch) x += 0.01 * ++calls_;
+    if (misuse_ == Misuse::kNanAtStep && r.step == kNanStep &&
+        r.first_sample == kNanSlot * r.sample_count) {
+      x.fill_(std::numeric_limits<float>::quiet_NaN());
+    }
     return Batch{x, y};
   }
   absl::StatusOr<at::Tensor> Loss(const Batch& batch) override {
@@ -98,6 +110,12 @@ class MisuseTask : public Task {
         break;
       case Misuse::kSkipped:
         x = blocks_[0](x);
+        break;
+      case Misuse::kSkippedOnSomeRanks:
+        // Routed by the data: on 1x2, rank 0 skips the block at step 0 and
+        // rank 1 at step 1; both run it at step 2.
+        x = blocks_[0](x);
+        if (batch.target[0].item<int64_t>() != 0) x = blocks_[1](x);
         break;
       case Misuse::kTwice:
         x = blocks_[0](x);
@@ -193,20 +211,42 @@ TEST(TaskMisuseTest, CorrectTaskMatchesItsReference) {
   ExpectMatchesReference(RunMisuse(Misuse::kNone, "none"));
 }
 
+// Calling a Unit<> enters its unit also when its activations are recomputed
+// in backward: the block's forward runs again inside the unit.
+TEST(TaskMisuseTest, RecomputedUnitsMatchTheReference) {
+  TrainingOptions t = Training();
+  t.recompute_units = "blocks.*";
+  ExpectMatchesReference(RunMisuse(Misuse::kNone, "recompute", t));
+  ExpectMatchesReference(RunMisuse(Misuse::kTwice, "recompute-twice", t));
+}
+
 TEST(TaskMisuseTest, DirectCallNamesTheUnit) {
   const Outcome o = RunMisuse(Misuse::kDirectCall, "direct");
   ExpectRefused(o.sharded, "most likely unit blocks.1");
-  // Unsharded, the call works: the reference cannot tell.
-  EXPECT_TRUE(o.reference.ok()) << o.reference;
+  ExpectRefused(o.sharded, "used outside its forward");
+  // Unsharded the call computes, but the forward never entered blocks.1 and
+  // autograd reaches its parameters.
+  ExpectRefused(o.reference,
+                "step 0: unit blocks.1's parameters were used outside its "
+                "forward");
 }
 
 TEST(TaskMisuseTest, WrongOrderNamesBothUnits) {
   const Outcome o = RunMisuse(Misuse::kWrongOrder, "order");
   ExpectRefused(o.sharded, "unit blocks.0 was entered after unit blocks.1");
+  ExpectRefused(o.reference,
+                "step 0: unit blocks.0 was entered after unit blocks.1");
 }
 
 TEST(TaskMisuseTest, SkippedUnitTrainsCorrectly) {
   ExpectMatchesReference(RunMisuse(Misuse::kSkipped, "skipped"));
+}
+
+// The data decides: on some ranks the unit runs, on others it is skipped; its
+// parameters get the gradient of the ranks that ran it, averaged over all.
+TEST(TaskMisuseTest, UnitSkippedOnSomeRanksTrainsCorrectly) {
+  ExpectMatchesReference(
+      RunMisuse(Misuse::kSkippedOnSomeRanks, "skipped-some"));
 }
 
 TEST(TaskMisuseTest, UnitEnteredTwiceTrainsCorrectly) {
@@ -231,6 +271,21 @@ TEST(TaskMisuseTest, NonScalarLossIsRefused) {
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
     EXPECT_NE(s.message().find("a scalar"), std::string::npos) << s;
   }
+}
+
+TEST(TaskMisuseTest, NanAtAStepStopsNamingStepRankAndMicrobatch) {
+  const Outcome o = RunMisuse(Misuse::kNanAtStep, "nan");
+  const std::string line = absl::StrCat("step ", kNanStep,
+                                        ": the loss is nan on rank 1, "
+                                        "microbatch 0");
+  for (const absl::Status& s : {o.sharded, o.reference}) {
+    EXPECT_FALSE(s.ok());
+    EXPECT_NE(s.message().find(line), std::string::npos) << s;
+    EXPECT_EQ(s.message().find('\n'), std::string::npos) << s;
+  }
+  // The steps before it were trained and reported; the NaN step never was.
+  EXPECT_EQ(o.sharded_losses.size(), static_cast<size_t>(kNanStep));
+  EXPECT_EQ(o.reference_losses.size(), static_cast<size_t>(kNanStep));
 }
 
 TEST(TaskMisuseTest, NondeterministicBatchIsRefused) {

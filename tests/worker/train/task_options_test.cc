@@ -4,6 +4,9 @@
 // bad option stops the binary with one line.
 #include "worker/train/task_options.h"
 
+#include <signal.h>
+
+#include <csignal>
 #include <string>
 #include <utility>
 #include <vector>
@@ -147,6 +150,16 @@ TEST(WorkerMainDefinitionTest, BadOptionsAndGptFlagsAreRefusedInOneLine) {
       {"--task-option", "channels=16", "--reference", "--world-size", "1"});
   EXPECT_EQ(r.code, 1);
   EXPECT_TRUE(absl::StrContains(r.err, "not built in this test")) << r.err;
+}
+
+// A worker binary survives writing to a peer that went away: Gloo writes to
+// its sockets without MSG_NOSIGNAL, so the process must ignore SIGPIPE.
+TEST(WorkerMainDefinitionTest, SigpipeIsIgnored) {
+  std::signal(SIGPIPE, SIG_DFL);
+  EXPECT_EQ(Main({"--help"}).code, 0);
+  struct sigaction now = {};
+  ASSERT_EQ(sigaction(SIGPIPE, nullptr, &now), 0);
+  EXPECT_EQ(now.sa_handler, SIG_IGN);
 }
 
 }  // namespace
