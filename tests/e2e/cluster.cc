@@ -12,6 +12,7 @@
 #include <fstream>
 #include <limits>
 #include <map>
+#include <regex>
 #include <sstream>
 #include <thread>
 #include <utility>
@@ -19,6 +20,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "gtest/gtest.h"
 
@@ -176,6 +178,33 @@ void ExpectExactLedger(const std::vector<std::string>& reports, int steps,
     }
   }
   EXPECT_LE(missing, 1);
+}
+
+void ExpectResumedFromCheckpoint(const std::string& report,
+                                 const std::string& log,
+                                 const std::string& ckpt_dir, int64_t steps,
+                                 const std::vector<StepRecord>& base) {
+  const std::vector<StepRecord> got = ReadReport(report);
+  std::smatch m;
+  const std::string text = ReadFile(log);
+  ASSERT_TRUE(
+      std::regex_search(text, m, std::regex("resumed from step ([0-9]+)")))
+      << "the restarted worker did not resume from a checkpoint: " << log;
+  const int64_t from = std::stoll(m[1]);
+  EXPECT_TRUE(
+      fs::exists(absl::StrFormat("%s/step-%08d/metadata.json", ckpt_dir, from)))
+      << "resumed from step " << from << " without that checkpoint";
+  const int64_t second_run = steps - 1 - from;
+  ASSERT_GE(static_cast<int64_t>(got.size()), steps) << report;
+  const size_t first = got.size() - static_cast<size_t>(second_run);
+  for (size_t i = 0; i < got.size(); ++i) {
+    const int64_t expected = i < first
+                                 ? static_cast<int64_t>(i)
+                                 : from + 1 + static_cast<int64_t>(i - first);
+    ASSERT_EQ(got[i].step, expected) << report << " line " << i;
+    EXPECT_EQ(got[i].loss_hex, base[static_cast<size_t>(got[i].step)].loss_hex)
+        << report << " step " << got[i].step;
+  }
 }
 
 int64_t StepsReported(const std::string& path) {
@@ -390,7 +419,7 @@ void Cluster::StartCoordinator(int world, const std::string& mesh, int port,
 Proc Cluster::StartWorker(int rank, const std::vector<std::string>& extra,
                           int64_t steps) {
   return Spawn(WorkerArgv(address(), rank, report(rank), extra, steps),
-               absl::StrCat(dir_, "/worker-", rank, ".log"));
+               worker_log(rank));
 }
 
 void Cluster::StartWorkers(int n, const std::vector<std::string>& extra,
@@ -432,6 +461,10 @@ std::string Cluster::address() const {
 
 std::string Cluster::report(int r) const {
   return absl::StrCat(dir_, "/worker-", r, ".jsonl");
+}
+
+std::string Cluster::worker_log(int r) const {
+  return absl::StrCat(dir_, "/worker-", r, ".log");
 }
 
 BaselineRun::BaselineRun(std::string name, int workers, std::string mesh,

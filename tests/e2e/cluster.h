@@ -56,6 +56,17 @@ struct StepRecord {
 std::vector<StepRecord> ReadReport(const std::string& path);
 int64_t StepsReported(const std::string& path);
 
+// A whole job killed and restarted from its newest complete checkpoint in
+// `ckpt_dir`: `report` (rank r's, appended to by both runs) holds the first
+// run's steps, then steps checkpoint + 1 .. steps - 1 of the second, every
+// line with the loss bits of `base`; the restarted worker's `log` names the
+// checkpoint step it resumed from, and that checkpoint is complete. The kill
+// may come right after a checkpoint, so no step need have run twice.
+void ExpectResumedFromCheckpoint(const std::string& report,
+                                 const std::string& log,
+                                 const std::string& ckpt_dir, int64_t steps,
+                                 const std::vector<StepRecord>& base);
+
 // Every report file (`report_paths[r]` for rank r) holds steps 0..steps-1
 // exactly once, with losses bitwise equal to `base[r]`.
 void ExpectSameLosses(const std::vector<std::string>& report_paths,
@@ -167,6 +178,8 @@ class Cluster {
   std::string address() const;
   int port() const { return port_; }
   std::string report(int r) const;
+  // Worker r's stdout and stderr, appended to by each process started as r.
+  std::string worker_log(int r) const;
   const std::string& dir() const { return dir_; }
   Proc& coordinator() { return coordinator_; }
   std::vector<Proc>& workers() { return workers_; }
