@@ -15,7 +15,7 @@
 // ScheduleLog::GetSchedule, which seals and persists it exactly as a worker's
 // first read would, and its sealed bytes go to every stream waiting for it.
 // push_ahead 1 (the default) is what an agent's background prefetch of the
-// next step does today: each rank holds step s + 1 while it runs step s.
+// next step does: each rank holds step s + 1 while it runs step s.
 // Steps are pushed in order on each stream; a stream opened late first gets
 // the sealed steps it missed. A stream belongs to the generation its worker
 // trains in: it carries that generation's schedules, and ends ABORTED once the

@@ -50,7 +50,8 @@ at::Tensor BlockImpl::forward(const at::Tensor& x) {
 TinyTransformerImpl::TinyTransformerImpl(const ModelDims& d) : dims(d) {
   embed_ = register_module("embed", torch::nn::Embedding(d.vocab, d.d_model));
   pos_ = register_parameter("pos", torch::randn({d.seq_len, d.d_model}) * 0.02);
-  // Parameter names follow the team convention "layers.<i>.…".
+  // Parameter names follow the GPT's "layers.<i>.…", which the policy globs
+  // match.
   torch::nn::ModuleList layers;
   for (int64_t i = 0; i < d.layers; ++i) {
     blocks.push_back(Block(d));
