@@ -135,8 +135,7 @@ void StepTimes(const models::GptConfig& config, const Flags& flags) {
       const double t0 = Now();
       gpt.Step(config, flags.batch);
       if (c != nullptr) {
-        absl::Status s =
-            c->Save(step, *gpt.engine, *gpt.optimizer, 0, 0);
+        absl::Status s = c->Save(step, *gpt.engine, *gpt.optimizer, 0, 0);
         if (!s.ok()) Die(s);
       }
       ++step;
@@ -195,8 +194,7 @@ void LoadTimes(const models::GptConfig& config, const Flags& flags) {
     ShardedGpt gpt(config, mesh, kSeed);
     gpt.Step(config, flags.batch);
     train::Checkpointing c(Options(flags, false, dir), mesh, c10::kCPU);
-    if (absl::Status s =
-            c.Save(0, *gpt.engine, *gpt.optimizer, 0, 0);
+    if (absl::Status s = c.Save(0, *gpt.engine, *gpt.optimizer, 0, 0);
         !s.ok()) {
       Die(s);
     }

@@ -1,6 +1,6 @@
-// The dashboard's static files (coordinator/service/web/*.html, *.js, *.css), compiled
-// into the binary by embed_assets.cmake so the page needs no file system and
-// no network.
+// The dashboard's static files (coordinator/service/web/*.html, *.js, *.css),
+// compiled into the binary by embed_assets.cmake so the page needs no file
+// system and no network.
 #ifndef HSDP_COORDINATOR_SERVICE_WEB_WEB_ASSETS_H_
 #define HSDP_COORDINATOR_SERVICE_WEB_WEB_ASSETS_H_
 
