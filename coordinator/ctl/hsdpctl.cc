@@ -65,6 +65,7 @@ struct PolicySetOptions {
   std::optional<int> checkpoint_interval;
   std::optional<int64_t> memory_budget;
   std::string batch_mode;
+  std::optional<int64_t> comm_fusion_bucket;
 };
 
 // Options of `evict`: exactly one target.
@@ -419,6 +420,9 @@ absl::Status ApplyPolicyFlags(const PolicySetOptions& o,
   if (o.checkpoint_interval)
     policy->set_checkpoint_interval(*o.checkpoint_interval);
   if (o.memory_budget) policy->set_memory_budget_bytes(*o.memory_budget);
+  if (o.comm_fusion_bucket) {
+    policy->set_comm_fusion_bucket_bytes(*o.comm_fusion_bucket);
+  }
   // CLI11 already restricted both to "last" or "every".
   if (!o.grad_sync.empty()) {
     policy->set_grad_sync(o.grad_sync == "every"
@@ -692,6 +696,10 @@ int RunHsdpctl(int argc, char** argv, std::ostream& out, std::ostream& err) {
                          "Bytes per rank (0: manual mode)");
   policy_set->add_option("--batch-mode", ps.batch_mode, "fixed|shrink")
       ->check(CLI::IsMember({"fixed", "shrink"}));
+  policy_set->add_option(
+      "--comm-fusion-bucket", ps.comm_fusion_bucket,
+      "Bytes: consecutive units up to this size share their collectives "
+      "(0: no fusion)");
   CLI::App* schedule =
       app.add_subcommand("schedule", "Print a sealed step's schedule");
   int64_t step = -1;
