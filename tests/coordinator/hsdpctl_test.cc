@@ -202,6 +202,9 @@ TEST_F(HsdpctlTest, ScheduleCheckpointAndDrain) {
   EXPECT_NE(r.out.find("step 0  policy version 1"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("UNIT  NAME      RESHARD_FWD"), std::string::npos)
       << r.out;
+  // No comm fusion in the default policy: every unit alone.
+  EXPECT_NE(r.out.find("BWD_PREFETCH  FUSION_GROUP\n"), std::string::npos)
+      << r.out;
   // The planner's root rule and execution-order prefetch: the root stays
   // unsharded and prefetches the last block in backward; nobody prefetches
   // the root.
@@ -210,7 +213,8 @@ TEST_F(HsdpctlTest, ScheduleCheckpointAndDrain) {
       std::string::npos)
       << r.out;
   EXPECT_NE(
-      r.out.find("1     layers.0  yes          yes          2             -"),
+      r.out.find("1     layers.0  yes          yes          2             -"
+                 "             -\n"),
       std::string::npos)
       << r.out;
   r = Ctl({"schedule", "--step", "7"});
