@@ -49,21 +49,62 @@ std::vector<hsdp::v1::MicrobatchSchedule> MicrobatchesOf(
   return out;
 }
 
+// Comm fusion (worker/fsdp/unit_group.h): for each unit, the units whose
+// all-gathers and whose reduce-scatters go out with its own (itself
+// included; just itself when alone). Members with nothing to gather go alone;
+// with one shard nothing fuses; the reduce-scatters fuse where the engine
+// fuses them (the segments path, or at most two shards).
+struct FusionSets {
+  std::vector<std::vector<int>> gather;
+  std::vector<std::vector<int>> reduce;
+};
+
+FusionSets FusionSetsOf(const hsdp::v1::StepSchedule& schedule,
+                        const std::vector<int64_t>& unit_bytes,
+                        const MemoryModel::Options& options) {
+  const int n = static_cast<int>(unit_bytes.size());
+  FusionSets sets;
+  for (int i = 0; i < n; ++i) {
+    sets.gather.push_back({i});
+    sets.reduce.push_back({i});
+  }
+  if (options.shard_size == 1) return sets;
+  const bool fused_reduce_scatter =
+      options.comm_path == CommPath::kSegments || options.shard_size <= 2;
+  for (const hsdp::v1::FusionGroup& g : schedule.fusion_groups()) {
+    std::vector<int> members;
+    for (int i : g.units()) {
+      if (i >= 0 && i < n && unit_bytes[i] > 0) members.push_back(i);
+    }
+    if (members.size() < 2) continue;
+    for (int i : members) {
+      sets.gather[i] = members;
+      if (fused_reduce_scatter) sets.reduce[i] = members;
+    }
+  }
+  return sets;
+}
+
 // The state of one rank while the model walks a step (see the header), with
 // running sums so every sample is O(1).
 class StepWalk {
  public:
-  StepWalk(const std::vector<int64_t>& unit_bytes, MemoryBreakdown steady,
-           const MemoryModel::Options& options)
+  StepWalk(const std::vector<int64_t>& unit_bytes, FusionSets fusion,
+           MemoryBreakdown steady, const MemoryModel::Options& options)
       : bytes_(unit_bytes),
+        fusion_(std::move(fusion)),
         steady_(steady),
         options_(options),
         unsharded_(unit_bytes.size(), false),
         grads_(unit_bytes.size(), false),
-        largest_(unit_bytes.empty()
-                     ? 0
-                     : *std::max_element(unit_bytes.begin(), unit_bytes.end())),
-        peak_(steady) {}
+        forwarded_(unit_bytes.size(), false),
+        done_(unit_bytes.size(), false),
+        peak_(steady) {
+    for (size_t i = 0; i < bytes_.size(); ++i) {
+      largest_ = std::max(largest_, SetBytes(fusion_.gather[i]));
+      largest_ = std::max(largest_, SetBytes(fusion_.reduce[i]));
+    }
+  }
 
   void SetUnsharded(int unit, bool alive) {
     // With one shard a unit's parameters are its shards: nothing to gather.
@@ -74,21 +115,48 @@ class StepWalk {
   bool unsharded(int unit) const {
     return options_.shard_size == 1 || unsharded_[unit];
   }
+  // The engine's Unshard: a sharded unit is gathered with the members of its
+  // fusion group the pass still needs (in forward: not entered yet; in
+  // backward: its backward not finished).
+  void Gather(int unit, bool backward) {
+    if (unsharded(unit)) return;
+    for (int m : fusion_.gather[unit]) {
+      if (m == unit || (backward ? forwarded_[m] && !done_[m] : !forwarded_[m]))
+        SetUnsharded(m, true);
+    }
+  }
+  void MarkForwarded(int unit) { forwarded_[unit] = true; }
+  // A new microbatch: no unit forwarded or done yet.
+  void StartPass() {
+    std::fill(forwarded_.begin(), forwarded_.end(), false);
+    std::fill(done_.begin(), done_.end(), false);
+  }
   void SetGrads(int unit, bool alive) {
     if (grads_[unit] == alive) return;
     grads_[unit] = alive;
     grads_sum_ += alive ? bytes_[unit] : -bytes_[unit];
   }
-  void IssueReduction(int unit) {
-    reducing_ = unit;
+  // The unit's backward is over; in a syncing microbatch its reduction goes
+  // out with its fusion group's, once the group's last member is done.
+  // Returns whether a reduction was issued.
+  bool FinishBackward(int unit, bool sync) {
+    done_[unit] = true;
+    if (!sync) return false;
+    const std::vector<int>& members = fusion_.reduce[unit];
+    for (int m : members) {
+      if (forwarded_[m] && !done_[m]) return false;
+    }
+    reducing_ = members;
     // The flat path copies the gradients into its buffer and drops them; the
     // segments path sends them from where they are until the collective ends.
-    if (options_.comm_path == CommPath::kFlat) SetGrads(unit, false);
+    if (options_.comm_path == CommPath::kFlat) {
+      for (int m : members) SetGrads(m, false);
+    }
+    return true;
   }
   void FinishReduction() {
-    if (reducing_ < 0) return;
-    SetGrads(reducing_, false);
-    reducing_ = -1;
+    for (int m : reducing_) SetGrads(m, false);
+    reducing_.clear();
   }
   void AddActivations(int64_t bytes) { activations_ += bytes; }
   void ClearActivations() { activations_ = 0; }
@@ -109,33 +177,49 @@ class StepWalk {
   const MemoryBreakdown& peak() const { return peak_; }
 
  private:
+  int64_t SetBytes(const std::vector<int>& units) const {
+    int64_t sum = 0;
+    for (int m : units) sum += bytes_[m];
+    return sum;
+  }
+
   int64_t CommBytes() const {
     const int s = options_.shard_size;
     if (s == 1 && options_.replicate_size == 1) return 0;  // nothing to move
     if (options_.comm_path == CommPath::kFlat) {
-      // One unit's buffer kept idle for reuse, or the one in use.
-      return std::max(largest_, reducing_ >= 0 ? bytes_[reducing_] : 0);
+      // One unit's or group's buffer kept idle for reuse, or the one in use.
+      return std::max(largest_, SetBytes(reducing_));
     }
-    if (reducing_ < 0) return 0;
-    const int64_t unit = bytes_[reducing_];
-    const int64_t chunk = ShardedBytes(unit, s);
-    return chunk * (s - 1) + (options_.replicate_size > 1 ? chunk : 0);
+    int64_t bytes = 0;
+    for (int m : reducing_) {
+      const int64_t chunk = ShardedBytes(bytes_[m], s);
+      bytes += chunk * (s - 1) + (options_.replicate_size > 1 ? chunk : 0);
+    }
+    return bytes;
   }
 
   const std::vector<int64_t>& bytes_;
+  const FusionSets fusion_;
   const MemoryBreakdown steady_;
   const MemoryModel::Options options_;
   std::vector<bool> unsharded_;
   std::vector<bool> grads_;
-  const int64_t largest_;
+  std::vector<bool> forwarded_;
+  std::vector<bool> done_;
+  int64_t largest_ = 0;
   int64_t unsharded_sum_ = 0;
   int64_t grads_sum_ = 0;
   int64_t activations_ = 0;
-  int reducing_ = -1;
+  std::vector<int> reducing_;
   MemoryBreakdown peak_;
 };
 
 }  // namespace
+
+int64_t GatheredBytes(const hsdp::v1::UnitInfo& unit) {
+  return unit.param_bytes() -
+         std::clamp<int64_t>(unit.replicated_bytes(), 0, unit.param_bytes());
+}
 
 MemoryModel::MemoryModel(const UnitList& units, Options options)
     : options_(options) {
@@ -144,12 +228,10 @@ MemoryModel::MemoryModel(const UnitList& units, Options options)
   for (const hsdp::v1::UnitInfo& u : units) {
     // Replicated parameters are held whole and never gathered: steady bytes,
     // not transient ones.
-    const int64_t replicated =
-        std::clamp<int64_t>(u.replicated_bytes(), 0, u.param_bytes());
-    const int64_t gathered = u.param_bytes() - replicated;
+    const int64_t gathered = GatheredBytes(u);
     unit_bytes_.push_back(gathered);
     sharded_bytes_.push_back(ShardedBytes(gathered, options_.shard_size) +
-                             replicated);
+                             u.param_bytes() - gathered);
   }
 }
 
@@ -172,7 +254,8 @@ MemoryBreakdown MemoryModel::PredictPeak(const hsdp::v1::StepSchedule& schedule,
                                    activation_bytes / n);
   activations[0] = activation_bytes - activation_bytes / n * (n - 1);
 
-  StepWalk walk(unit_bytes_, Steady(), options_);
+  StepWalk walk(unit_bytes_, FusionSetsOf(schedule, unit_bytes_, options_),
+                Steady(), options_);
   const std::vector<hsdp::v1::MicrobatchSchedule> microbatches =
       MicrobatchesOf(schedule);
   for (size_t k = 0; k < microbatches.size(); ++k) {
@@ -180,10 +263,12 @@ MemoryBreakdown MemoryModel::PredictPeak(const hsdp::v1::StepSchedule& schedule,
     // A step starts with every unit sharded (the optimizer changed the
     // shards); later microbatches start with what the previous one kept.
     if (k == 0) walk.ClearUnsharded();
+    walk.StartPass();
     // Forward: the root is entered first and left last.
     for (int i = 0; i < n; ++i) {
-      walk.SetUnsharded(i, true);
-      for (int j : units[i].forward_prefetch) walk.SetUnsharded(j, true);
+      walk.Gather(i, /*backward=*/false);
+      for (int j : units[i].forward_prefetch) walk.Gather(j, false);
+      walk.MarkForwarded(i);
       walk.Sample();
       if (i == 0) continue;
       walk.AddActivations(activations[i]);
@@ -198,8 +283,8 @@ MemoryBreakdown MemoryModel::PredictPeak(const hsdp::v1::StepSchedule& schedule,
       // A unit that must be gathered now waits for the reduction in flight
       // first (the engine's PreBackward).
       if (!walk.unsharded(i)) walk.FinishReduction();
-      walk.SetUnsharded(i, true);
-      for (int j : units[i].backward_prefetch) walk.SetUnsharded(j, true);
+      walk.Gather(i, /*backward=*/true);
+      for (int j : units[i].backward_prefetch) walk.Gather(j, true);
       walk.SetGrads(i, true);
       walk.Sample();
       if (i == 0) continue;  // the root's post-backward ends the backward
@@ -208,18 +293,14 @@ MemoryBreakdown MemoryModel::PredictPeak(const hsdp::v1::StepSchedule& schedule,
       if (units[i].reshard_after_backward || mb.is_last_backward()) {
         walk.SetUnsharded(i, false);
       }
-      if (mb.requires_grad_sync()) {
-        walk.IssueReduction(i);
-        walk.Sample();
-      }
+      if (walk.FinishBackward(i, mb.requires_grad_sync())) walk.Sample();
     }
     walk.FinishReduction();
     walk.ClearActivations();
     if (units[0].reshard_after_backward || mb.is_last_backward()) {
       walk.SetUnsharded(0, false);
     }
-    if (mb.requires_grad_sync()) {
-      walk.IssueReduction(0);
+    if (walk.FinishBackward(0, mb.requires_grad_sync())) {
       walk.Sample();
       walk.FinishReduction();
     }

@@ -20,11 +20,18 @@
 //   no-sync microbatch keeps every unit's unsharded gradients to the next);
 //   the root's gradients (its head part is computed first) live until the end
 //   of backward;
+// - comm fusion (StepSchedule.fusion_groups): a unit gathered in forward is
+//   gathered with the members of its group not entered yet, in backward with
+//   those whose backward is not over; a syncing microbatch reduces a group
+//   once its last member's backward is over, the members' unsharded
+//   gradients alive until then (reduce-scatters fuse on the segments path,
+//   or with at most two shards, as in the engine);
 // - communication buffers: the segments path (CPU transports) receives
 //   straight into the unsharded parameters and needs scratch for the peers'
-//   contributions to one reduce-scatter ((S-1)/S of the unit, plus the reduced
-//   chunk in HSDP); the flat path (NCCL) stages each collective in a buffer of
-//   the unit's size and keeps one largest unit's buffer for reuse;
+//   contributions to one reduce-scatter ((S-1)/S of the unit or group, plus
+//   the reduced chunks in HSDP); the flat path (NCCL) stages each collective
+//   in a buffer of the unit's or group's size and keeps one largest buffer
+//   for reuse;
 // - activations: `activation_bytes` at the end of one microbatch's forward
 //   (measured by the worker and reported; fsdp::EngineStats::activation_bytes)
 //   split evenly over the units, built up in forward and released in backward.
@@ -48,6 +55,10 @@ namespace hsdp {
 
 // AdamW keeps two moments (exp_avg, exp_avg_sq) per parameter element.
 inline constexpr int kAdamWStateCopies = 2;
+
+// The bytes of a unit the all-gathers move: its parameters less the
+// replicated ones (held whole on every rank, never gathered).
+int64_t GatheredBytes(const hsdp::v1::UnitInfo& unit);
 
 // How a backend moves a unit's bytes (see worker/fsdp/unit_group.h).
 enum class CommPath {

@@ -215,6 +215,11 @@ absl::Status ValidatePolicy(const Policy& policy, const UnitList& units) {
         "memory_budget_bytes",
         absl::StrCat(policy.memory_budget_bytes(), " is negative"));
   }
+  if (policy.comm_fusion_bucket_bytes() < 0) {
+    return FieldError(
+        "comm_fusion_bucket_bytes",
+        absl::StrCat(policy.comm_fusion_bucket_bytes(), " is negative"));
+  }
   for (int i = 0; i < policy.overrides_size(); ++i) {
     const auto& o = policy.overrides(i);
     const std::string field = absl::StrCat("overrides[", i, "]");
@@ -365,6 +370,11 @@ std::string DescribePolicy(const Policy& policy) {
                       ? std::string("off (manual mode)")
                       : absl::StrCat(r.memory_budget_bytes()),
                   "\n");
+  absl::StrAppend(&out, "comm_fusion_bucket_bytes: ",
+                  r.comm_fusion_bucket_bytes() == 0
+                      ? std::string("off")
+                      : absl::StrCat(r.comm_fusion_bucket_bytes()),
+                  mark(r.comm_fusion_bucket_bytes() == 0), "\n");
   for (const auto& o : r.overrides()) {
     std::vector<std::string> flags;
     if (o.has_reshard_after_forward()) {

@@ -10,6 +10,7 @@
 //   the enum are rejected.
 // - checkpoint_interval: >= 0 (0: never).
 // - memory_budget_bytes: >= 0 (0: manual mode).
+// - comm_fusion_bucket_bytes: >= 0 (0: no fusion).
 // - overrides[i]: unit_glob non-empty and matching >= 1 unit; must set at
 //   least one of the two flags.
 // Every rejection is INVALID_ARGUMENT whose message starts with the field path,

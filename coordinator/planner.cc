@@ -64,6 +64,37 @@ void FillPrefetchLists(int forward_depth, int backward_depth,
   }
 }
 
+// Comm fusion: groups of consecutive units (index order, which is forward
+// order) whose gathered bytes add up to at most `bucket`. A unit with nothing
+// to gather, or over the bucket alone, ends the group and goes alone; groups
+// of one unit are not written.
+void FillFusionGroups(const UnitList& units, int64_t bucket,
+                      StepSchedule* schedule) {
+  schedule->clear_fusion_groups();
+  if (bucket <= 0) return;
+  std::vector<int> group;
+  int64_t group_bytes = 0;
+  auto close = [&] {
+    if (group.size() > 1) {
+      hsdp::v1::FusionGroup* g = schedule->add_fusion_groups();
+      g->mutable_units()->Add(group.begin(), group.end());
+    }
+    group.clear();
+    group_bytes = 0;
+  };
+  for (int i = 0; i < static_cast<int>(units.size()); ++i) {
+    const int64_t gathered = GatheredBytes(units[i]);
+    if (gathered <= 0 || gathered > bucket) {
+      close();
+      continue;
+    }
+    if (group_bytes + gathered > bucket) close();
+    group.push_back(i);
+    group_bytes += gathered;
+  }
+  close();
+}
+
 }  // namespace
 
 double LinkCost::Seconds(int64_t bytes) const {
@@ -76,19 +107,36 @@ CollectiveCounts CountCollectives(const StepSchedule& schedule,
   CollectiveCounts counts;
   const int n = schedule.units_size();
   const int m = std::max(1, schedule.microbatches_size());
+  // The units whose collectives go out together: a fusion group, or one unit.
+  std::vector<std::vector<int>> sets;
+  std::vector<bool> fused(static_cast<size_t>(n), false);
+  for (const hsdp::v1::FusionGroup& g : schedule.fusion_groups()) {
+    sets.emplace_back(g.units().begin(), g.units().end());
+    for (int i : g.units()) fused[i] = true;
+  }
+  for (int i = 0; i < n; ++i) {
+    if (!fused[i]) sets.push_back({i});
+  }
   for (int k = 0; k < m; ++k) {
     const bool sync = schedule.microbatches_size() == 0 ||
                       schedule.microbatches(k).requires_grad_sync();
     const bool all_reduce = schedule.microbatches_size() == 0 ||
                             schedule.microbatches(k).requires_all_reduce();
-    for (int i = 0; i < n; ++i) {
-      const hsdp::v1::UnitSchedule& u = schedule.units(i);
+    for (const std::vector<int>& set : sets) {
       // Forward: every unit is sharded when a step starts; later microbatches
-      // find it sharded only if the previous backward resharded it.
-      if (k == 0 || u.reshard_after_backward()) ++counts.all_gathers;
-      if (u.reshard_after_forward()) ++counts.all_gathers;
+      // find it sharded only if the previous backward resharded it. The
+      // first member a forward needs to gather gathers every member still
+      // sharded; backward likewise for those resharded after forward.
+      bool forward_gather = false, backward_gather = false;
+      for (int i : set) {
+        const hsdp::v1::UnitSchedule& u = schedule.units(i);
+        forward_gather = forward_gather || k == 0 || u.reshard_after_backward();
+        backward_gather = backward_gather || u.reshard_after_forward();
+        if (sync && all_reduce && replicate_size > 1) ++counts.all_reduces;
+      }
+      counts.all_gathers +=
+          (forward_gather ? 1 : 0) + (backward_gather ? 1 : 0);
       if (sync) ++counts.reduce_scatters;
-      if (sync && all_reduce && replicate_size > 1) ++counts.all_reduces;
     }
   }
   return counts;
@@ -176,6 +224,7 @@ StepSchedule Planner::PlanManual(const Policy& resolved,
   }
   FillPrefetchLists(resolved.forward_prefetch_depth(),
                     resolved.backward_prefetch_depth(), &schedule);
+  FillFusionGroups(units_, resolved.comm_fusion_bucket_bytes(), &schedule);
 
   const int interval = resolved.checkpoint_interval();
   schedule.set_checkpoint(input.checkpoint_requested ||

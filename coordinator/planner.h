@@ -31,6 +31,10 @@
 //   depend on the mesh: with one replica the engine's all-reduce is a no-op.
 // - checkpoint = (checkpoint_interval > 0 &&
 //   (step + 1) % checkpoint_interval == 0) || a checkpoint was requested.
+// - fusion_groups (comm_fusion_bucket_bytes > 0): consecutive units in index
+//   order, first fit, whose gathered bytes (param_bytes - replicated_bytes)
+//   add up to at most the bucket; a unit with none, or over the bucket
+//   alone, ends a group and goes alone; groups of one are not written.
 //
 // Memory-budget mode (memory_budget_bytes > 0) plans like manual mode, except
 // that it picks reshard_after_forward for every block no override pins
@@ -136,8 +140,12 @@ struct PlanInput {
 // Collectives the engine issues for one step run by a schedule, per rank (each
 // unit gathers once per forward unless still unsharded from the previous
 // microbatch, again in backward when resharded after forward; reduces when the
-// microbatch syncs; all-reduces across replicas where asked). Assumes every
-// parameter unit holds parameters, no recompute, and S > 1.
+// microbatch syncs; all-reduces across replicas where asked). A fusion group
+// gathers once where its members would each gather, and reduce-scatters once
+// (the replicate all-reduces stay per unit). Assumes every parameter unit
+// holds parameters sharded over the group in one dtype, no recompute, S > 1,
+// and a backend that fuses reduce-scatters (the CPU transports; NCCL with at
+// most two shards, worker/fsdp/unit_group.h).
 struct CollectiveCounts {
   int64_t all_gathers = 0;
   int64_t reduce_scatters = 0;

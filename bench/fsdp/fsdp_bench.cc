@@ -10,7 +10,8 @@
 //     same bytes at world 2 (target >= 0.9x throughput);
 //  4. step time and collectives per step at world 4 over the schedules the
 //     coordinator's planner seals (default policy vs reshard after forward
-//     off), over both transports side by side;
+//     off, each with and without comm fusion), over both transports side by
+//     side;
 //  5. step time with the timeline recorder on vs off (target <= 1.03x).
 // Memory and collectives are measured over both transports of ranks on one
 // host: Gloo TCP and shared memory (the default).
@@ -352,12 +353,13 @@ void CollectiveThroughput(const models::GptConfig& config, const Flags& flags,
   });
 }
 
-// The schedules section 4 compares: the planner's for two policies (protobuf
-// text), and the default policy as the planner sealed it before the root rule
-// and the execution-order backward prefetch (the root resharded after forward
-// and re-gathered at once by backward; unit i prefetching i-1 in backward, so
-// the root's list missed the last block and unit 1 "prefetched" the unsharded
-// root), for a before/after comparison in one run.
+// The schedules section 4 compares: the planner's for four policies
+// (protobuf text: reshard after forward on and off, each with and without
+// comm fusion), and the default policy as the planner sealed it before the root
+// rule and the execution-order backward prefetch (the root resharded after
+// forward and re-gathered at once by backward; unit i prefetching i-1 in
+// backward, so the root's list missed the last block and unit 1 "prefetched"
+// the unsharded root), for a before/after comparison in one run.
 struct ScheduleVariant {
   const char* name;
   const char* policy;
@@ -367,6 +369,11 @@ constexpr ScheduleVariant kScheduleVariants[] = {
     {"default policy", ""},
     {"default, legacy planner", "", true},
     {"reshard_after_forward off", "reshard_after_forward: false"},
+    // Comm fusion with a bucket over the default model's total bytes: every
+    // unit's shard-group collectives in one group.
+    {"default, comm fusion 64 MiB", "comm_fusion_bucket_bytes: 67108864"},
+    {"raf off, comm fusion 64 MiB",
+     "reshard_after_forward: false comm_fusion_bucket_bytes: 67108864"},
 };
 
 hsdp::v1::StepSchedule LegacySchedule(hsdp::v1::StepSchedule schedule) {

@@ -28,6 +28,7 @@ struct PolicySetOptions {
   std::optional<int> checkpoint_interval;
   std::optional<int64_t> memory_budget;
   std::string batch_mode;
+  std::optional<int64_t> comm_fusion_bucket;
 };
 
 absl::StatusOr<bool> ParseBool(const std::string& flag,
@@ -83,6 +84,9 @@ absl::Status ApplyPolicyFlags(const PolicySetOptions& o,
   if (o.checkpoint_interval)
     policy->set_checkpoint_interval(*o.checkpoint_interval);
   if (o.memory_budget) policy->set_memory_budget_bytes(*o.memory_budget);
+  if (o.comm_fusion_bucket) {
+    policy->set_comm_fusion_bucket_bytes(*o.comm_fusion_bucket);
+  }
   // CLI11 already restricted both to "last" or "every".
   if (!o.grad_sync.empty()) {
     policy->set_grad_sync(o.grad_sync == "every"
@@ -163,6 +167,10 @@ void AddPolicyCommands(CLI::App& app, std::vector<Command>& commands) {
                          "Bytes per rank (0: manual mode)");
   policy_set->add_option("--batch-mode", ps->batch_mode, "fixed|shrink")
       ->check(CLI::IsMember({"fixed", "shrink"}));
+  policy_set->add_option(
+      "--comm-fusion-bucket", ps->comm_fusion_bucket,
+      "Bytes: consecutive units up to this size share their collectives "
+      "(0: no fusion)");
   commands.push_back({policy_get, PolicyGet});
   commands.push_back(
       {policy_set,

@@ -3,6 +3,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_join.h"
@@ -43,14 +44,26 @@ absl::Status Schedule(ControlClient& client, const GlobalOptions& g,
         }
         mb.Print(out);
         out << "\n";
+        // Comm fusion: the group each unit's collectives go out with.
+        std::vector<std::string> fusion(static_cast<size_t>(sched.units_size()),
+                                        "-");
+        for (int g = 0; g < sched.fusion_groups_size(); ++g) {
+          for (int i : sched.fusion_groups(g).units()) {
+            if (i >= 0 && i < sched.units_size()) {
+              fusion[static_cast<size_t>(i)] = std::to_string(g);
+            }
+          }
+        }
         Table units({"UNIT", "NAME", "RESHARD_FWD", "RESHARD_BWD",
-                     "FWD_PREFETCH", "BWD_PREFETCH"});
-        for (const auto& u : sched.units()) {
+                     "FWD_PREFETCH", "BWD_PREFETCH", "FUSION_GROUP"});
+        for (int i = 0; i < sched.units_size(); ++i) {
+          const auto& u = sched.units(i);
           units.Add({std::to_string(u.unit_index()), u.unit_name(),
                      u.reshard_after_forward() ? "yes" : "no",
                      u.reshard_after_backward() ? "yes" : "no",
                      JoinInts(u.forward_prefetch()),
-                     JoinInts(u.backward_prefetch())});
+                     JoinInts(u.backward_prefetch()),
+                     fusion[static_cast<size_t>(i)]});
         }
         units.Print(out);
       });

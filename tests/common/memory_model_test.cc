@@ -130,6 +130,36 @@ TEST(MemoryModelTest, NoSyncMicrobatchesAccumulateUnshardedGradients) {
   EXPECT_EQ(model.PredictPeak(DefaultSchedule(2, true), 0).Total(), 2650);
 }
 
+// Comm fusion of layers.1 and layers.2 (default schedule otherwise): layers.1
+// is gathered with layers.2 in forward and, at the root's backward prefetch,
+// layers.1 with layers.2 in backward; the group's reduce-scatter waits for
+// layers.1's backward, so at layers.0's pre-backward the root, layers.0, and
+// layers.1 and 2 (in flight, sending from the gradients) hold gradients (700),
+// the root and layers.0 are unsharded (500), and the scratch holds both
+// members' peer halves (100).
+TEST(MemoryModelTest, FusionKeepsAGroupsGradientsUntilItsLastMember) {
+  const MemoryModel model(Units(), Mesh(2));
+  hsdp::v1::StepSchedule fused = DefaultSchedule();
+  hsdp::v1::FusionGroup* group = fused.add_fusion_groups();
+  group->add_units(2);
+  group->add_units(3);
+  const MemoryBreakdown peak = model.PredictPeak(fused, 0);
+  EXPECT_EQ(peak.unsharded_params, 500);
+  EXPECT_EQ(peak.unsharded_grads, 700);
+  EXPECT_EQ(peak.comm_buffers, 100);
+  EXPECT_EQ(peak.Total(), 2700);
+  EXPECT_GT(peak.Total(), model.PredictPeak(DefaultSchedule(), 0).Total());
+  // One shard: nothing to gather or fuse.
+  const MemoryModel single(Units(), Mesh(1));
+  EXPECT_EQ(single.PredictPeak(fused, 0).Total(),
+            single.PredictPeak(DefaultSchedule(), 0).Total());
+  // The flat path with more than two shards reduce-scatters per unit, as the
+  // engine does: the gradients peak as without fusion.
+  const MemoryModel flat(Units(), Mesh(4, 1, CommPath::kFlat));
+  EXPECT_EQ(flat.PredictPeak(fused, 0).unsharded_grads,
+            flat.PredictPeak(DefaultSchedule(), 0).unsharded_grads);
+}
+
 TEST(MemoryModelTest, TransportsAndMeshes) {
   // HSDP: the reduce-scatter also needs the reduced chunk to all-reduce.
   EXPECT_EQ(MemoryModel(Units(), Mesh(2, 2))

@@ -164,6 +164,8 @@ TEST(PolicyValidateTest, EveryFieldsBadValues) {
       {"all_reduce: 9", "policy.all_reduce: unknown value 9"},
       {"checkpoint_interval: -5", "policy.checkpoint_interval: -5 is negative"},
       {"memory_budget_bytes: -1", "policy.memory_budget_bytes: -1 is negative"},
+      {"comm_fusion_bucket_bytes: -4096",
+       "policy.comm_fusion_bucket_bytes: -4096 is negative"},
       {"overrides { reshard_after_forward: false }",
        "policy.overrides[0].unit_glob: is empty"},
       {"overrides { unit_glob: \"layers.*\" reshard_after_forward: false } "
@@ -190,7 +192,9 @@ TEST(PolicyValidateTest, BoundaryValuesAreValid) {
        {"forward_prefetch_depth: 0", "forward_prefetch_depth: 16",
         "backward_prefetch_depth: 0", "backward_prefetch_depth: 16",
         "microbatches: 0", "microbatches: 1024", "checkpoint_interval: 0",
-        "memory_budget_bytes: 0", "grad_sync: GRAD_SYNC_MODE_UNSPECIFIED",
+        "memory_budget_bytes: 0", "comm_fusion_bucket_bytes: 0",
+        "comm_fusion_bucket_bytes: 1099511627776",
+        "grad_sync: GRAD_SYNC_MODE_UNSPECIFIED",
         "all_reduce: ALL_REDUCE_MODE_EVERY_MICROBATCH",
         "overrides { unit_glob: \"root\" reshard_after_backward: false }",
         "overrides { unit_glob: \"*\" reshard_after_forward: true }"}) {
@@ -272,6 +276,7 @@ TEST(PolicyPrintTest, TextAndJsonRoundTrip) {
     all_reduce: ALL_REDUCE_MODE_EVERY_MICROBATCH
     checkpoint_interval: 10
     memory_budget_bytes: 123456789012
+    comm_fusion_bucket_bytes: 1048576
     overrides { unit_glob: "layers.1" reshard_after_backward: false }
   )");
   ASSERT_TRUE(p.ok());
@@ -306,6 +311,13 @@ TEST(PolicyPrintTest, DescribeMarksDefaults) {
   EXPECT_NE(text.find("checkpoint_interval:     never (default)"),
             std::string::npos)
       << text;
+  EXPECT_NE(text.find("comm_fusion_bucket_bytes: off (default)"),
+            std::string::npos)
+      << text;
+  p->set_comm_fusion_bucket_bytes(1 << 20);
+  EXPECT_NE(DescribePolicy(*p).find("comm_fusion_bucket_bytes: 1048576\n"),
+            std::string::npos)
+      << DescribePolicy(*p);
 }
 
 }  // namespace

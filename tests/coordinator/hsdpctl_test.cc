@@ -147,13 +147,26 @@ TEST_F(HsdpctlTest, PolicySetFromFlagsAndFileAndRefusals) {
   EXPECT_NE(r.out.find("layers.*"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("backward_prefetch_depth: 2"), std::string::npos)
       << r.out;
+  // Comm fusion: set, shown, and a negative bucket refused by name.
+  r = Ctl({"policy", "set", "--comm-fusion-bucket", "-1"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_EQ(r.err,
+            "hsdpctl: policy set: INVALID_ARGUMENT: "
+            "policy.comm_fusion_bucket_bytes: -1 is negative\n");
+  r = Ctl({"policy", "set", "--comm-fusion-bucket", "1048576"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  r = Ctl({"policy", "get"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("comm_fusion_bucket_bytes: 1048576"), std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("policy version 4"), std::string::npos) << r.out;
 
   // A file (text format) replaces the policy.
   const std::string file =
       dir_.Write("p.txt", "forward_prefetch_depth: 2\nmicrobatches: 4\n");
   r = Ctl({"--json", "policy", "set", "--file", file});
   ASSERT_EQ(r.exit_code, 0) << r.err;
-  EXPECT_NE(r.out.find("\"policy_version\":\"4\""), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("\"policy_version\":\"5\""), std::string::npos) << r.out;
 
   // Refusals change nothing: unknown field, glob matching no unit, malformed
   // file, bad bool.
@@ -179,7 +192,7 @@ TEST_F(HsdpctlTest, PolicySetFromFlagsAndFileAndRefusals) {
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_NE(r.err.find("'maybe' is not a boolean"), std::string::npos) << r.err;
   r = Ctl({"--json", "policy", "get"});
-  EXPECT_NE(r.out.find("\"policy_version\":\"4\""), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("\"policy_version\":\"5\""), std::string::npos) << r.out;
 }
 
 TEST_F(HsdpctlTest, ScheduleCheckpointAndDrain) {
@@ -189,6 +202,9 @@ TEST_F(HsdpctlTest, ScheduleCheckpointAndDrain) {
   EXPECT_NE(r.out.find("step 0  policy version 1"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("UNIT  NAME      RESHARD_FWD"), std::string::npos)
       << r.out;
+  // No comm fusion in the default policy: every unit alone.
+  EXPECT_NE(r.out.find("BWD_PREFETCH  FUSION_GROUP\n"), std::string::npos)
+      << r.out;
   // The planner's root rule and execution-order prefetch: the root stays
   // unsharded and prefetches the last block in backward; nobody prefetches
   // the root.
@@ -197,7 +213,8 @@ TEST_F(HsdpctlTest, ScheduleCheckpointAndDrain) {
       std::string::npos)
       << r.out;
   EXPECT_NE(
-      r.out.find("1     layers.0  yes          yes          2             -"),
+      r.out.find("1     layers.0  yes          yes          2             -"
+                 "             -\n"),
       std::string::npos)
       << r.out;
   r = Ctl({"schedule", "--step", "7"});

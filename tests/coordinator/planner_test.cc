@@ -253,6 +253,65 @@ TEST(PlannerTest, CountCollectivesFollowsTheFlags) {
   EXPECT_EQ(c.all_reduces, 4);
 }
 
+std::vector<std::vector<int>> Groups(const StepSchedule& s) {
+  std::vector<std::vector<int>> out;
+  for (const hsdp::v1::FusionGroup& g : s.fusion_groups())
+    out.emplace_back(g.units().begin(), g.units().end());
+  return out;
+}
+
+using GroupList = std::vector<std::vector<int>>;
+
+// Comm fusion: consecutive units, first fit under the bucket; a unit over it,
+// or with nothing to gather (replicated parameters only), goes alone and ends
+// the group; groups of one are not written.
+TEST(PlannerTest, FusionGroupsFillTheBucketInForwardOrder) {
+  Planner planner(MakeUnits(1000, {400, 400, 400, 400}), 2);
+  EXPECT_TRUE(Groups(planner.Plan(Policy(), {})).empty());
+  EXPECT_EQ(Groups(planner.Plan(P("comm_fusion_bucket_bytes: 1000"), {})),
+            (GroupList{{1, 2}, {3, 4}}));
+  EXPECT_EQ(Groups(planner.Plan(P("comm_fusion_bucket_bytes: 1400"), {})),
+            (GroupList{{0, 1}, {2, 3, 4}}));
+  EXPECT_EQ(Groups(planner.Plan(P("comm_fusion_bucket_bytes: 2600"), {})),
+            (GroupList{{0, 1, 2, 3, 4}}));
+  EXPECT_TRUE(
+      Groups(planner.Plan(P("comm_fusion_bucket_bytes: 399"), {})).empty());
+  UnitList units = MakeUnits(100, {50, 5000, 50, 50, 60, 70});
+  units[5].set_replicated_bytes(60);  // nothing to gather
+  Planner mixed(units, 2);
+  EXPECT_EQ(Groups(mixed.Plan(P("comm_fusion_bucket_bytes: 200"), {})),
+            (GroupList{{0, 1}, {3, 4}}));
+  // The same plan on every call (the schedule every rank runs).
+  const Policy p = P("comm_fusion_bucket_bytes: 1400 microbatches: 2");
+  EXPECT_EQ(planner.Plan(p, {3, 1, 1}).SerializeAsString(),
+            Planner(planner.units(), 2).Plan(p, {3, 1, 1}).SerializeAsString());
+}
+
+// A fusion group gathers once where its members would each gather, and
+// reduce-scatters once; the all-reduces across replicas stay per unit.
+TEST(PlannerTest, CountCollectivesCountsAFusionGroupOnce) {
+  Planner planner(MakeUnits(1000, {400, 400, 400, 400}), 2);
+  const Policy pairs = P("comm_fusion_bucket_bytes: 1000");
+  // {1, 2}, {3, 4}, the root alone: forward 3, backward 2 (the root kept).
+  CollectiveCounts c = CountCollectives(planner.Plan(pairs, {}), 2);
+  EXPECT_EQ(c.all_gathers, 3 + 2);
+  EXPECT_EQ(c.reduce_scatters, 3);
+  EXPECT_EQ(c.all_reduces, 5);
+  const CollectiveCounts alone =
+      CountCollectives(planner.Plan(Policy(), {}), 2);
+  EXPECT_EQ(alone.all_gathers, 5 + 4);
+  EXPECT_EQ(alone.reduce_scatters, 5);
+  // Two microbatches, blocks kept after backward: the second forward
+  // gathers nothing, and a group with one member kept after forward still
+  // gathers once in backward for the other.
+  Policy kept = P(R"(comm_fusion_bucket_bytes: 1000 microbatches: 2
+                     reshard_after_backward: false
+                     overrides { unit_glob: "layers.0" reshard_after_forward: false })");
+  c = CountCollectives(planner.Plan(kept, {}), 1);
+  EXPECT_EQ(c.all_gathers, (3 + 2) + 2);
+  EXPECT_EQ(c.reduce_scatters, 3);
+}
+
 // Root 400 bytes, six layers of 100, S = 2.
 UnitList BudgetUnits() {
   return MakeUnits(400, {100, 100, 100, 100, 100, 100});

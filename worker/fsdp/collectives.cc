@@ -78,12 +78,9 @@ void AllGatherCopyOut(const at::Tensor& output,
 }
 
 void ReduceScatterCopyIn(const std::vector<ShardedParam*>& params,
-                         const at::Tensor& flat) {
+                         const at::Tensor& chunks) {
   at::NoGradGuard no_grad;
-  const int64_t size = params.empty() ? 1 : params.front()->layout_size();
-  // Each rank's chunk may be longer than the gradients (a tail the caller
-  // fills).
-  const at::Tensor chunks = flat.view({size, flat.numel() / size});
+  const int64_t size = chunks.size(0);
   int64_t offset = 0;
   for (const ShardedParam* p : params) {
     at::Tensor dst = chunks.narrow(1, offset, p->shard_numel());
@@ -203,45 +200,81 @@ absl::Status StartAllGatherSegments(const std::vector<ShardedParam*>& params,
   return absl::OkStatus();
 }
 
-absl::Status PrepareReduceScatterFlat(const std::vector<ShardedParam*>& params,
-                                      int shard_size, FlatBufferPool& pool,
-                                      const at::TensorOptions& options,
-                                      ReduceScatterState& state) {
-  const int64_t chunk = ReductionChunkNumel(params);
-  state.input = pool.Acquire(chunk * shard_size, options);
-  ReduceScatterCopyIn(params, state.input);
-  // Every rank's chunk carries this rank's flags in its tail.
+namespace {
+
+// Fills `chunks` (S rows of ReductionChunkNumel(params)) with the gradients'
+// rows for each rank and this rank's flags in every row's tail.
+void FillReductionChunks(const std::vector<ShardedParam*>& params,
+                         const at::Tensor& chunks) {
+  ReduceScatterCopyIn(params, chunks);
   at::NoGradGuard no_grad;
   const int64_t grads = FlatChunkNumel(params);
   const at::Tensor flags =
-      state.input.view({shard_size, chunk}).narrow(1, grads, chunk - grads);
+      chunks.narrow(1, grads, static_cast<int64_t>(params.size()));
   FillGradFlags(params, flags[0]);
-  for (int r = 1; r < shard_size; ++r) flags[r].copy_(flags[0]);
+  for (int64_t r = 1; r < chunks.size(0); ++r) flags[r].copy_(flags[0]);
+}
+
+}  // namespace
+
+absl::Status StartReduceScatterFlat(
+    const std::vector<std::vector<ShardedParam*>>& params,
+    comm::Communicator& group, FlatBufferPool& pool,
+    const at::TensorOptions& options, comm::ReduceOp op,
+    const std::vector<ReduceScatterPart*>& parts, ReduceScatterState& state) {
+  const int size = group.size();
+  int64_t chunk = 0;
+  for (size_t k = 0; k < params.size(); ++k) {
+    parts[k]->chunk_numel = ReductionChunkNumel(params[k]);
+    chunk += parts[k]->chunk_numel;
+  }
+  state.input = pool.Acquire(chunk * size, options);
+  const at::Tensor rows = state.input.view({size, chunk});
+  int64_t offset = 0;
+  for (size_t k = 0; k < params.size(); ++k) {
+    FillReductionChunks(params[k],
+                        rows.narrow(1, offset, parts[k]->chunk_numel));
+    offset += parts[k]->chunk_numel;
+  }
+  // In place: the reduced chunk lands in this rank's row of the input (with
+  // one rank, the input is the reduced chunk).
+  const at::Tensor own = rows[group.rank()];
+  offset = 0;
+  for (ReduceScatterPart* part : parts) {
+    part->output = own.narrow(0, offset, part->chunk_numel);
+    part->output_from_pool = false;
+    part->in_place = false;
+    offset += part->chunk_numel;
+  }
+  if (size == 1) return absl::OkStatus();
+  absl::StatusOr<comm::Buffer> in = ToBuffer(state.input);
+  if (!in.ok()) return in.status();
+  absl::StatusOr<comm::Buffer> out = ToBuffer(own);
+  if (!out.ok()) return out.status();
+  state.work = group.ReduceScatter(*in, *out, op);
   return absl::OkStatus();
 }
 
 absl::Status PrepareReduceScatterSegments(
     const std::vector<ShardedParam*>& params, comm::Communicator& group,
     FlatBufferPool& pool, const at::TensorOptions& options, bool in_place,
-    ReduceScatterState& state) {
+    ReduceScatterPart& state) {
   const int size = group.size();
   const int rank = group.rank();
   const int64_t chunk = ReductionChunkNumel(params);
   const int64_t num_flags = static_cast<int64_t>(params.size());
-  state.segments = true;
+  state.chunk_numel = chunk;
   // Without replicas the sum lands in place, in this rank's own rows of each
   // gradient (no output buffer). HSDP all-reduces one flat chunk, so there the
-  // sum goes to a chunk in the flat path's padded layout. Either way, room for
-  // the peers' contributions if the backend receives them before summing.
+  // sum goes to a chunk in the flat path's padded layout.
   state.in_place = in_place;
+  state.output_from_pool = !in_place;
   if (!in_place) state.output = pool.Acquire(chunk, options);
   // The flags go to every rank as one more segment (a copy per rank, since
   // this rank's copy also receives the sum in place).
   state.flags = at::empty({size, num_flags}, options);
   FillGradFlags(params, state.flags[0]);
   for (int r = 1; r < size; ++r) state.flags[r].copy_(state.flags[0]);
-  const int64_t scratch_count = group.ReduceScatterScratchCount(chunk);
-  if (scratch_count > 0) state.scratch = pool.Acquire(scratch_count, options);
   state.grads.clear();
   state.send.assign(static_cast<size_t>(size), {});
   state.receive.clear();
@@ -303,36 +336,40 @@ absl::Status PrepareReduceScatterSegments(
   state.grad_bytes = 0;
   for (const at::Tensor& g : state.grads)
     state.grad_bytes += static_cast<int64_t>(g.nbytes());
-  state.scratch_buffer =
-      comm::Buffer{nullptr, 0,
-                   state.receive.empty() ? comm::DataType::kFloat32
-                                         : state.receive[0].dtype};
-  if (state.scratch.defined()) {
-    absl::StatusOr<comm::Buffer> b = ToBuffer(state.scratch);
-    if (!b.ok()) return b.status();
-    state.scratch_buffer = *b;
-  }
   return absl::OkStatus();
 }
 
-absl::Status StartReduceScatter(comm::Communicator& group, comm::ReduceOp op,
-                                ReduceScatterState& state) {
-  if (state.segments) {
-    state.work = group.ReduceScatterSegments(state.send, state.receive,
-                                             state.scratch_buffer, op);
-    state.send.clear();
-    state.receive.clear();
-    return absl::OkStatus();
+absl::Status StartReduceScatterSegments(
+    const std::vector<ReduceScatterPart*>& parts, comm::Communicator& group,
+    FlatBufferPool& pool, const at::TensorOptions& options, comm::ReduceOp op,
+    ReduceScatterState& state) {
+  std::vector<std::vector<comm::Buffer>> send(
+      static_cast<size_t>(group.size()));
+  std::vector<comm::Buffer> receive;
+  int64_t chunk = 0;
+  for (ReduceScatterPart* part : parts) {
+    for (size_t r = 0; r < send.size(); ++r) {
+      send[r].insert(send[r].end(), part->send[r].begin(), part->send[r].end());
+    }
+    receive.insert(receive.end(), part->receive.begin(), part->receive.end());
+    chunk += part->chunk_numel;
+    part->send.clear();
+    part->receive.clear();
   }
-  if (group.size() == 1) return absl::OkStatus();
-  // In place: the reduced chunk lands in this rank's slot of the input.
-  const int64_t chunk = state.input.numel() / group.size();
-  state.output = state.input.narrow(0, chunk * group.rank(), chunk);
-  absl::StatusOr<comm::Buffer> in = ToBuffer(state.input);
-  if (!in.ok()) return in.status();
-  absl::StatusOr<comm::Buffer> out = ToBuffer(state.output);
-  if (!out.ok()) return out.status();
-  state.work = group.ReduceScatter(*in, *out, op);
+  // Room for the peers' contributions if the backend receives them before
+  // summing.
+  absl::StatusOr<comm::DataType> dtype =
+      ToCommDataType(c10::typeMetaToScalarType(options.dtype()));
+  if (!dtype.ok()) return dtype.status();
+  comm::Buffer scratch{nullptr, 0, *dtype};
+  const int64_t scratch_count = group.ReduceScatterScratchCount(chunk);
+  if (scratch_count > 0) {
+    state.scratch = pool.Acquire(scratch_count, options);
+    absl::StatusOr<comm::Buffer> b = ToBuffer(state.scratch);
+    if (!b.ok()) return b.status();
+    scratch = *b;
+  }
+  state.work = group.ReduceScatterSegments(send, receive, scratch, op);
   return absl::OkStatus();
 }
 

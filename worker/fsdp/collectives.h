@@ -32,7 +32,9 @@ namespace hsdp::fsdp {
 class FlatBufferPool;
 class ShardedParam;
 
-// A unit's all-gather from issue to completion.
+// An all-gather from issue to completion: one unit's sharded parameters, or
+// several units' (comm fusion: their parameter lists concatenated, which is
+// the flat layout of the concatenation).
 struct AllGatherState {
   // Flat path: S chunks from the pool, gathered in place.
   at::Tensor output;
@@ -42,18 +44,21 @@ struct AllGatherState {
   int64_t issued_ns = 0;  // when tracing
 };
 
-// A unit's reduce-scatter from issue to completion.
-struct ReduceScatterState {
-  // Flat path: S chunks (gradients, then flags) from the pool, reduced in
-  // place; `output` is this rank's chunk of it. Segments path with replicas:
-  // `output` is a chunk in the flat layout from the pool (HSDP all-reduces
-  // one flat chunk).
-  at::Tensor input;
+// One unit's part of a reduce-scatter, alone or fused with other units'
+// (comm fusion: the parts' chunks lie side by side, each in the layout
+// above, so each part's sums are the ones it would get alone).
+struct ReduceScatterPart {
+  // This rank's reduced chunk (gradients, then flags): a view of the
+  // collective's input (flat path), or a pool buffer of its own in the flat
+  // layout (segments path with replicas: HSDP all-reduces one flat chunk).
+  // Undefined where the sums land in place.
   at::Tensor output;
-  // Segments path: room for the peers' contributions, when the backend needs
-  // it; this rank's flags, one copy per destination; the gradients being sent
-  // (alive until the collective completes) and their bytes.
-  at::Tensor scratch;
+  bool output_from_pool = false;
+  // Elements of the chunk (ReductionChunkNumel of the part's parameters).
+  int64_t chunk_numel = 0;
+  // Segments path: this rank's flags, one copy per destination; the
+  // gradients being sent (alive until the collective completes) and their
+  // bytes.
   at::Tensor flags;
   std::vector<at::Tensor> grads;
   int64_t grad_bytes = 0;
@@ -61,11 +66,19 @@ struct ReduceScatterState {
   // the gradients, `output` stays undefined.
   bool in_place = false;
   // Segments path, from Prepare to Start: what goes to each rank, where this
-  // rank's sums land, the scratch as a buffer.
-  bool segments = false;
+  // rank's sums land.
   std::vector<std::vector<comm::Buffer>> send;
   std::vector<comm::Buffer> receive;
-  comm::Buffer scratch_buffer;
+};
+
+// One reduce-scatter collective over one part or several fused ones.
+struct ReduceScatterState {
+  // Flat path: S rows of the parts' chunks side by side, from the pool,
+  // reduced in place (the parts' outputs are views of this rank's row).
+  at::Tensor input;
+  // Segments path: room for the peers' contributions, when the backend needs
+  // it.
+  at::Tensor scratch;
   std::unique_ptr<comm::Work> work;
   int64_t issued_ns = 0;  // when tracing
 };
@@ -96,11 +109,12 @@ void AllGatherCopyIn(const std::vector<ShardedParam*>& params,
 void AllGatherCopyOut(const at::Tensor& output,
                       const std::vector<ShardedParam*>& params);
 
-// Fills `flat` (S chunks, the reduce-scatter input, in its dtype) from the
-// unsharded gradients (zeros for padding and for parameters without one). A
-// chunk may be longer than FlatChunkNumel: its tail is left as it is.
+// Fills `chunks` (S rows, each at least FlatChunkNumel long; any row stride:
+// a block of columns of a fused buffer) from the unsharded gradients in the
+// rows' dtype, zeros for padding and for parameters without one. Columns past
+// FlatChunkNumel are left as they are.
 void ReduceScatterCopyIn(const std::vector<ShardedParam*>& params,
-                         const at::Tensor& flat);
+                         const at::Tensor& chunks);
 // The rows of `output` (one reduced chunk) that belong to each parameter's
 // local shard, in its row frame.
 std::vector<at::Tensor> SplitReducedChunk(
@@ -130,24 +144,31 @@ absl::Status StartAllGatherSegments(const std::vector<ShardedParam*>& params,
                                     const at::TensorOptions& options,
                                     AllGatherState& state);
 
-// Flat path: fills S chunks of (gradients, flags) from the unsharded
-// gradients into a pool buffer. The gradients may be dropped once it returns.
-absl::Status PrepareReduceScatterFlat(const std::vector<ShardedParam*>& params,
-                                      int shard_size, FlatBufferPool& pool,
-                                      const at::TensorOptions& options,
-                                      ReduceScatterState& state);
-// Segments path: takes the unsharded gradients (in `options`' dtype,
-// contiguous in the row frame; zeros where there is none) and lays out what
-// each rank receives of them, the flags as one more segment. The module
-// parameters' gradients may be dropped once it returns (state.grads holds
+// Flat path: fills S rows of every part's chunk side by side (from the pool;
+// part k of `params[k]`'s unsharded gradients and flags), starts the
+// reduce-scatter in place and points each part's output at its chunk of this
+// rank's row. The gradients may be dropped once it returns.
+absl::Status StartReduceScatterFlat(
+    const std::vector<std::vector<ShardedParam*>>& params,
+    comm::Communicator& group, FlatBufferPool& pool,
+    const at::TensorOptions& options, comm::ReduceOp op,
+    const std::vector<ReduceScatterPart*>& parts, ReduceScatterState& state);
+// Segments path, one part: takes the unsharded gradients (in `options`'
+// dtype, contiguous in the row frame; zeros where there is none) and lays out
+// what each rank receives of them, the flags as one more segment. The module
+// parameters' gradients may be dropped once it returns (part.grads holds
 // them).
 absl::Status PrepareReduceScatterSegments(
     const std::vector<ShardedParam*>& params, comm::Communicator& group,
     FlatBufferPool& pool, const at::TensorOptions& options, bool in_place,
+    ReduceScatterPart& part);
+// Segments path: starts one reduce-scatter of the prepared parts' segments,
+// concatenated (each element is still summed over the ranks in rank order, so
+// every part gets the bits it would alone), with one scratch for them all.
+absl::Status StartReduceScatterSegments(
+    const std::vector<ReduceScatterPart*>& parts, comm::Communicator& group,
+    FlatBufferPool& pool, const at::TensorOptions& options, comm::ReduceOp op,
     ReduceScatterState& state);
-// Starts the prepared reduce-scatter.
-absl::Status StartReduceScatter(comm::Communicator& group, comm::ReduceOp op,
-                                ReduceScatterState& state);
 
 // Fills state.buffer with the replicated parameters' gradients and flags.
 absl::Status PrepareReplicatedAllReduce(

@@ -217,6 +217,42 @@ void EngineCore::ResetPassFlags() {
   }
 }
 
+void EngineCore::SetFusionGroups(const std::vector<std::vector<int>>& groups) {
+  if (finalized && groups == fusion_groups) return;
+  fusion_groups = groups;
+  for (auto& unit : units) unit->set_fusion_peers({}, {});
+  int64_t largest_flat = 0;
+  for (const auto& unit : units)
+    largest_flat = std::max(largest_flat, unit->FlatBufferBytes());
+  const bool fused_reduce_scatter =
+      mesh.shard->SupportsSegments() || shard_size() <= 2;
+  for (const std::vector<int>& group : groups) {
+    if (shard_size() == 1) break;
+    std::vector<std::vector<UnitGroup*>> runs;
+    for (int index : group) {
+      UnitGroup* unit = units[static_cast<size_t>(index)].get();
+      if (!unit->has_sharded_params()) continue;
+      if (runs.empty() ||
+          runs.back().front()->compute_dtype() != unit->compute_dtype() ||
+          runs.back().front()->reduce_dtype() != unit->reduce_dtype()) {
+        runs.emplace_back();
+      }
+      runs.back().push_back(unit);
+    }
+    for (const std::vector<UnitGroup*>& run : runs) {
+      if (run.size() < 2) continue;
+      int64_t flat = 0;
+      for (UnitGroup* unit : run) {
+        unit->set_fusion_peers(
+            run, fused_reduce_scatter ? run : std::vector<UnitGroup*>());
+        flat += unit->FlatBufferBytes();
+      }
+      largest_flat = std::max(largest_flat, flat);
+    }
+  }
+  buffers.set_limit(largest_flat);
+}
+
 void EngineCore::DiscardStep() {
   for (auto& unit : units) {
     if (unit != nullptr) unit->DiscardStep();

@@ -131,6 +131,15 @@ class EngineCore {
   // it runs its backward collectives now, latest first, with no gradients.
   void FinishUnreachedAfter(int exit);
   void ResetPassFlags();
+  // Comm fusion (unit_group.h): the schedule's fusion groups (unit indices,
+  // checked by Apply), kept until they change. Gives each unit its peers: the
+  // members of its group with parameters sharded over the shard group, in runs
+  // of one compute and reduce dtype (a run of one goes alone); reduce-scatter
+  // peers only where the reduce-scatter sums in rank order whatever the
+  // packing (the segments path, or at most two shards). No peers with one
+  // shard. Sets the buffer pool's idle limit to the largest unit's or group's
+  // flat buffers. Between passes; a gather in flight keeps its members.
+  void SetFusionGroups(const std::vector<std::vector<int>>& groups);
   // Engine::Rebind's reset: every unit's DiscardStep, then the engine-wide
   // per-step state (pending reductions, the pass, recompute state, the forward
   // measure, the sticky error). The communicators must already be aborted (no
@@ -175,6 +184,8 @@ class EngineCore {
   int64_t next_recompute_id = 0;
   std::vector<UnitGroup*> pending_reductions;
 
+  // As given to the last SetFusionGroups.
+  std::vector<std::vector<int>> fusion_groups;
   FlatBufferPool buffers;
   MemoryAccount memory;
   absl::Status status;

@@ -28,6 +28,14 @@ at::Tensor FlatBufferPool::Acquire(int64_t numel,
   return buffer;
 }
 
+void FlatBufferPool::set_limit(int64_t bytes) {
+  limit_ = bytes;
+  while (idle_ > limit_ && !idle_buffers_.empty()) {
+    idle_ -= static_cast<int64_t>(idle_buffers_.front().nbytes());
+    idle_buffers_.erase(idle_buffers_.begin());
+  }
+}
+
 void FlatBufferPool::Release(at::Tensor& buffer) {
   if (!buffer.defined()) return;
   const int64_t nbytes = static_cast<int64_t>(buffer.nbytes());

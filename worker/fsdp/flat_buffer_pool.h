@@ -1,7 +1,7 @@
 // Flat communication buffers kept for reuse. On CPU a fresh buffer per
 // collective costs a page fault per 4 KiB — as much time as the collective
 // itself — so units hand their buffers back here. At most `limit` idle bytes
-// are kept (FullyShardRoot sets it to one largest unit's flat buffers); live
+// are kept (one largest unit's or fusion group's flat buffers); live
 // (acquired) and idle bytes are both accounted. A request no idle buffer fits
 // drops the idle ones first: they would otherwise stay alive next to the new
 // buffer (e.g. root's small buffer next to a block's).
@@ -29,7 +29,9 @@ class FlatBufferPool {
   // nothing else references its storage, else simply dropped. An undefined
   // buffer is a no-op.
   void Release(at::Tensor& buffer);
-  void set_limit(int64_t bytes) { limit_ = bytes; }
+  // Idle bytes kept at most; idle buffers over a lowered limit go (oldest
+  // first).
+  void set_limit(int64_t bytes);
   int64_t bytes() const { return live_ + idle_; }
   int64_t peak_bytes() const { return peak_; }
   void ResetPeak() { peak_ = bytes(); }

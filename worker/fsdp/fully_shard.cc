@@ -317,11 +317,7 @@ absl::Status Engine::FullyShardRoot(const UnitOptions& options) {
   for (const auto& unit : core_->units) {
     handles_.push_back(std::unique_ptr<UnitHandle>(new UnitHandle(unit.get())));
   }
-  int64_t largest_flat = 0;
-  for (const auto& unit : core_->units) {
-    largest_flat = std::max(largest_flat, unit->FlatBufferBytes());
-  }
-  core_->buffers.set_limit(largest_flat);
+  core_->SetFusionGroups({});
   core_->finalized = true;
   return absl::OkStatus();
 }
@@ -356,6 +352,35 @@ absl::Status Engine::Apply(const hsdp::v1::StepSchedule& schedule,
         return absl::InvalidArgumentError(absl::StrCat("bad prefetch ", j));
     }
   }
+  std::vector<std::vector<int>> fusion_groups;
+  std::vector<bool> fused(static_cast<size_t>(n), false);
+  for (int g = 0; g < schedule.fusion_groups_size(); ++g) {
+    const hsdp::v1::FusionGroup& group = schedule.fusion_groups(g);
+    const std::string field = absl::StrCat("schedule fusion_groups[", g, "]");
+    if (group.units_size() < 2) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, " has ", group.units_size(),
+                       " units; a fusion group has at least two"));
+    }
+    for (int k = 0; k < group.units_size(); ++k) {
+      const int j = group.units(k);
+      if (j < 0 || j >= n) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            field, ": unit ", j, " is out of range (", n, " units)"));
+      }
+      if (k > 0 && j <= group.units(k - 1)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(field, ": unit ", j, " after unit ",
+                         group.units(k - 1), " (indices must increase)"));
+      }
+      if (fused[j]) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            field, ": unit ", j, " is in an earlier fusion group too"));
+      }
+      fused[j] = true;
+    }
+    fusion_groups.emplace_back(group.units().begin(), group.units().end());
+  }
   const int num_mb = schedule.microbatches_size();
   if (microbatch < 0 || microbatch >= std::max(num_mb, 1)) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -376,6 +401,7 @@ absl::Status Engine::Apply(const hsdp::v1::StepSchedule& schedule,
   });
   if (!s.ok()) return s;
   core_->ResetPassFlags();
+  core_->SetFusionGroups(fusion_groups);
   core_->microbatch = microbatch;
   for (int i = 0; i < schedule.units_size(); ++i) {
     const hsdp::v1::UnitSchedule& u = schedule.units(i);

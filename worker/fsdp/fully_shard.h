@@ -228,8 +228,15 @@ struct UnitStats {
   // Sharded + unsharded gradient bytes right now.
   int64_t grad_bytes = 0;
   int64_t peak_unsharded_bytes = 0;
+  // The all-gathers and reduce-scatters this unit issued. With comm fusion
+  // one collective carries several units' bytes: it counts here once, on the
+  // unit that issued it (its time too), and in fused_* on the others.
   int64_t all_gathers = 0;
   int64_t reduce_scatters = 0;
+  // Comm fusion: the other units' all-gathers and reduce-scatters this
+  // unit's bytes went out in.
+  int64_t fused_all_gathers = 0;
+  int64_t fused_reduce_scatters = 0;
   // HSDP all-reduces across the replicate group (none with one replica), and
   // the replicated parameters' all-reduces (one over the shard group and one
   // over the replicate group per synchronising microbatch).
@@ -248,7 +255,7 @@ struct EngineStats {
   // post-backward).
   int64_t peak_unsharded_grad_bytes = 0;
   // Flat communication buffers, in use or kept idle for reuse (at most one
-  // largest unit's worth idle), now and at peak.
+  // largest unit's or fusion group's worth idle), now and at peak.
   int64_t comm_buffer_bytes = 0;
   int64_t peak_comm_buffer_bytes = 0;
   // The peaks above are taken separately and never coincide. This is the
@@ -264,7 +271,8 @@ struct EngineStats {
   double all_gather_seconds = 0;
   double reduce_scatter_seconds = 0;
   double all_reduce_seconds = 0;
-  // Sums of the units' collective counts.
+  // Sums of the units' collective counts: the collectives issued (a fused
+  // one counts once).
   int64_t all_gathers = 0;
   int64_t reduce_scatters = 0;
   int64_t all_reduces = 0;

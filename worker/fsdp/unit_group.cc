@@ -86,22 +86,40 @@ void UnitGroup::Trace(const char* name, TraceTrack track, int64_t begin_ns,
 }
 
 void UnitGroup::Unshard() {
-  if (state_ != State::kSharded) return;
+  if (state_ != State::kSharded || !PrepareGather()) return;
+  // Comm fusion: the peers this pass still needs go in the same all-gather
+  // (the same decision on every rank: program order and the schedule only).
+  std::vector<UnitGroup*> members;
+  for (UnitGroup* peer : gather_peers_) {
+    if (peer == this || (peer->state_ == State::kSharded &&
+                         peer->NeededLaterThisPass() && peer->PrepareGather()))
+      members.push_back(peer);
+  }
+  if (members.empty()) members.push_back(this);  // alone
+  IssueAllGather(std::move(members));
+}
+
+bool UnitGroup::PrepareGather() {
   // Backward (not a recompute inside it) does not need this unit's values.
   if (!unshard_in_backward_ && core_->pass.callback_queued &&
       core_->recompute_depth == 0)
-    return;
+    return false;
   if (params_.empty() || aliases_shard_) {  // nothing to gather
     state_ = State::kUnsharded;
-    return;
+    return false;
   }
   core_->CheckOk();
   FillReplicated();
   if (sharded_.empty()) {  // replicated parameters only: nothing to gather
     state_ = State::kUnsharded;
-    return;
+    return false;
   }
-  IssueAllGather();
+  return true;
+}
+
+bool UnitGroup::NeededLaterThisPass() const {
+  if (core_->pass.callback_queued) return forwarded && !post_backward_done;
+  return !forwarded;
 }
 
 bool UnitGroup::UseSegments() const {
@@ -128,40 +146,59 @@ void UnitGroup::FillReplicated() {
   }
 }
 
-void UnitGroup::IssueAllGather() {
+void UnitGroup::IssueAllGather(std::vector<UnitGroup*> members) {
   if (core_->trace != nullptr)
     all_gather_.issued_ns = TraceRecorder::NowNanos();
   const at::TensorOptions options =
       at::TensorOptions().dtype(compute_dtype_).device(core_->options.device);
+  std::vector<ShardedParam*> params;
+  for (UnitGroup* m : members) {
+    params.insert(params.end(), m->sharded_.begin(), m->sharded_.end());
+    m->state_ = State::kGathering;
+    m->gather_issuer_ = this;
+    if (m != this) ++m->stats_.fused_all_gathers;
+  }
+  gathered_with_ = std::move(members);
   ++stats_.all_gathers;
   if (UseSegments()) {
     // The peers' pieces are received straight into the unsharded storage.
-    AllocUnsharded(sharded_);
-    Check(StartAllGatherSegments(sharded_, *core_->mesh.shard, core_->buffers,
+    for (UnitGroup* m : gathered_with_) m->AllocUnsharded(m->sharded_);
+    Check(StartAllGatherSegments(params, *core_->mesh.shard, core_->buffers,
                                  options, all_gather_));
     core_->SampleTransientBytes();
   } else {
-    Check(StartAllGatherFlat(sharded_, *core_->mesh.shard, core_->buffers,
+    Check(StartAllGatherFlat(params, *core_->mesh.shard, core_->buffers,
                              options, all_gather_));
   }
-  state_ = State::kGathering;
 }
 
 void UnitGroup::WaitForUnshard() {
   if (state_ == State::kSharded) Unshard();
   if (state_ != State::kGathering) return;
+  gather_issuer_->CompleteAllGather();
+}
+
+void UnitGroup::CompleteAllGather() {
   if (all_gather_.work) {
     WaitWork(all_gather_.work, &stats_.all_gather_seconds, "all-gather",
              all_gather_.issued_ns, TraceTrack::kShardComm);
   }
-  AllocUnsharded(sharded_);
+  std::vector<ShardedParam*> params;
+  for (UnitGroup* m : gathered_with_) {
+    m->AllocUnsharded(m->sharded_);
+    params.insert(params.end(), m->sharded_.begin(), m->sharded_.end());
+  }
   if (all_gather_.output.defined()) {  // flat path
-    AllGatherCopyOut(all_gather_.output, sharded_);
+    AllGatherCopyOut(all_gather_.output, params);
     core_->SampleTransientBytes();
     core_->buffers.Release(all_gather_.output);
   }
   core_->buffers.Release(all_gather_.input);
-  state_ = State::kUnsharded;
+  for (UnitGroup* m : gathered_with_) {
+    m->state_ = State::kUnsharded;
+    m->gather_issuer_ = nullptr;
+  }
+  gathered_with_.clear();
 }
 
 void UnitGroup::Reshard() {
@@ -275,240 +312,17 @@ void UnitGroup::FinishBackward() {
     for (ShardedParam* p : params())
       p->FoldIntoMainGrad(grad_accumulation_dtype_);
   }
-  if (core_->requires_grad_sync && !params_.empty()) IssueReduction();
-}
-
-void UnitGroup::IssueReduction() {
-  core_->CheckOk();
-  if (core_->shard_size() == 1 && core_->replicate_size() == 1) {
-    // Nothing to reduce with: the gradients themselves, in reduce_dtype, are
-    // the reduced shards (no flat buffer, no copy when the dtypes agree).
-    ++stats_.reduce_scatters;
-    step_.direct_grads.assign(params_.size(), at::Tensor());
-    for (size_t i = 0; i < params_.size(); ++i) {
-      const at::Tensor g = params_[i]->unsharded_grad();
-      if (!g.defined()) continue;
-      step_.direct_grads[i] = g.to(reduce_dtype_);
-      if (const std::optional<double> scale = core_->reduced_grad_scale())
-        step_.direct_grads[i] = step_.direct_grads[i].mul(*scale);
-      params_[i]->ClearUnshardedGrad();
-    }
-  } else {
-    if (!sharded_.empty()) IssueReduceScatter();
-    if (!replicated_.empty()) IssueReplicatedAllReduce();
+  if (!core_->requires_grad_sync || params_.empty()) return;
+  // Comm fusion: the peers' reduction goes out once the last of them this
+  // pass runs finished its backward.
+  std::vector<UnitGroup*> members;
+  for (UnitGroup* peer : reduce_peers_) {
+    if (!peer->forwarded) continue;
+    if (!peer->post_backward_done) return;
+    members.push_back(peer);
   }
-  step_.all_reduce = core_->requires_all_reduce;
-  step_.pending = true;
-  core_->pending_reductions.push_back(this);
-}
-
-void UnitGroup::IssueReduceScatter() {
-  ++stats_.reduce_scatters;
-  if (core_->trace != nullptr)
-    reduce_scatter_.issued_ns = TraceRecorder::NowNanos();
-  const at::TensorOptions options =
-      at::TensorOptions().dtype(reduce_dtype_).device(core_->options.device);
-  if (UseSegments()) {
-    Check(PrepareReduceScatterSegments(
-        sharded_, *core_->mesh.shard, core_->buffers, options,
-        /*in_place=*/core_->replicate_size() == 1, reduce_scatter_));
-    for (ShardedParam* p : sharded_) p->ClearUnshardedGrad();
-    core_->memory.in_flight_grad_bytes += reduce_scatter_.grad_bytes;
-    core_->SampleTransientBytes();
-  } else {
-    Check(PrepareReduceScatterFlat(sharded_, core_->shard_size(),
-                                   core_->buffers, options, reduce_scatter_));
-    core_->SampleTransientBytes();
-    for (ShardedParam* p : sharded_) p->ClearUnshardedGrad();
-  }
-  Check(StartReduceScatter(*core_->mesh.shard, core_->collective_reduce_op(),
-                           reduce_scatter_));
-}
-
-void UnitGroup::IssueReplicatedAllReduce() {
-  const at::TensorOptions options =
-      at::TensorOptions().dtype(reduce_dtype_).device(core_->options.device);
-  Check(PrepareReplicatedAllReduce(replicated_, core_->buffers, options,
-                                   replicated_all_reduce_));
-  core_->SampleTransientBytes();
-  for (ShardedParam* p : replicated_) p->ClearUnshardedGrad();
-  if (core_->shard_size() == 1) return;
-  absl::StatusOr<comm::Buffer> buffer = ToBuffer(replicated_all_reduce_.buffer);
-  Check(buffer.status());
-  ++stats_.all_reduces;
-  if (core_->trace != nullptr)
-    replicated_all_reduce_.issued_ns = TraceRecorder::NowNanos();
-  replicated_all_reduce_.work =
-      core_->mesh.shard->AllReduce(*buffer, core_->collective_reduce_op());
-}
-
-void UnitGroup::FinishReduction() {
-  if (!step_.pending) return;
-  step_.pending = false;
-  if (!step_.direct_grads.empty()) {
-    for (size_t i = 0; i < params_.size(); ++i) {
-      at::Tensor& g = step_.direct_grads[i];
-      if (g.defined()) {
-        params_[i]->AccumulateShardedGrad(params_[i]->ToFrame(std::move(g)),
-                                          /*may_steal=*/true);
-      }
-    }
-    step_.direct_grads.clear();
-    return;
-  }
-  if (!sharded_.empty()) FinishReduceScatter();
-  if (!replicated_.empty()) FinishReplicatedAllReduce();
-}
-
-void UnitGroup::FinishReduceScatter() {
-  ReduceScatterState& rs = reduce_scatter_;
-  if (rs.work) {
-    WaitWork(rs.work, &stats_.reduce_scatter_seconds, "reduce-scatter",
-             rs.issued_ns, TraceTrack::kShardComm);
-  }
-  if (!rs.in_place) ReleaseSentGradients();
-  if (rs.in_place) {
-    // Each gradient's own rows now hold this rank's reduced shard, zeros that
-    // stood in for a missing gradient included: another rank may have had one.
-    const std::optional<double> scale = core_->reduced_grad_scale();
-    for (size_t i = 0; i < sharded_.size(); ++i) {
-      ShardedParam* p = sharded_[i];
-      if (!p->sharded().requires_grad()) continue;
-      at::Tensor rows = rs.grads[i].narrow(0, p->row_offset(), p->valid_rows());
-      if (scale.has_value()) rows.mul_(*scale);
-      p->AccumulateShardedGrad(rows);
-    }
-    AddReducedFlags(step_.grad_flags, rs.flags[core_->shard_rank()]);
-    ReleaseReductionBuffers();
-    return;
-  }
-  // With one shard the input is already the (trivially) reduced chunk.
-  const at::Tensor reduced = rs.output.defined() ? rs.output : rs.input;
-  at::NoGradGuard no_grad;
-  if (core_->replicate_size() > 1 &&
-      !ReduceAcrossReplicas(reduced, step_.held)) {
-    ReleaseReductionBuffers();
-    return;
-  }
-  if (const std::optional<double> scale = core_->reduced_grad_scale())
-    reduced.mul_(*scale);  // the flags stay positive where they were
-  {
-    const std::vector<at::Tensor> pieces = SplitReducedChunk(reduced, sharded_);
-    for (size_t i = 0; i < sharded_.size(); ++i) {
-      if (sharded_[i]->sharded().requires_grad())
-        sharded_[i]->AccumulateShardedGrad(pieces[i]);
-    }
-    AddReducedFlags(step_.grad_flags,
-                    reduced.narrow(0, FlatChunkNumel(sharded_),
-                                   static_cast<int64_t>(sharded_.size())));
-  }  // the pieces (views of `reduced`) go before the buffers return
-  ReleaseReductionBuffers();
-}
-
-bool UnitGroup::ReduceAcrossReplicas(const at::Tensor& reduced,
-                                     at::Tensor& held) {
-  at::NoGradGuard no_grad;
-  if (!step_.all_reduce) {
-    // HSDP without all-reduce this microbatch: hold the shard-reduced sums
-    // until one with.
-    if (held.defined()) {
-      held.add_(reduced);
-    } else {
-      held = reduced.clone();
-    }
-    return false;
-  }
-  if (held.defined()) {
-    reduced.add_(held);
-    held.reset();
-  }
-  absl::StatusOr<comm::Buffer> buffer = ToBuffer(reduced);
-  Check(buffer.status());
-  ++stats_.all_reduces;
-  const int64_t issued = core_->trace ? TraceRecorder::NowNanos() : 0;
-  std::unique_ptr<comm::Work> work =
-      core_->mesh.replicate->AllReduce(*buffer, core_->collective_reduce_op());
-  WaitWork(work, &stats_.all_reduce_seconds, "all-reduce", issued,
-           TraceTrack::kReplicateComm);
-  return true;
-}
-
-void UnitGroup::FinishReplicatedAllReduce() {
-  ReplicatedAllReduceState& ar = replicated_all_reduce_;
-  if (ar.work) {
-    WaitWork(ar.work, &stats_.all_reduce_seconds, "all-reduce", ar.issued_ns,
-             TraceTrack::kShardComm);
-  }
-  at::NoGradGuard no_grad;
-  if (core_->replicate_size() > 1 &&
-      !ReduceAcrossReplicas(ar.buffer, step_.replicated_held)) {
-    core_->buffers.Release(ar.buffer);
-    return;
-  }
-  if (const std::optional<double> scale = core_->reduced_grad_scale())
-    ar.buffer.mul_(*scale);
-  int64_t offset = 0;
-  for (ShardedParam* p : replicated_) {
-    if (p->sharded().requires_grad()) {
-      p->AccumulateShardedGrad(
-          ar.buffer.narrow(0, offset, p->numel()).view(p->frame_shape()));
-    }
-    offset += p->numel();
-  }
-  AddReducedFlags(
-      step_.replicated_flags,
-      ar.buffer.narrow(0, offset, static_cast<int64_t>(replicated_.size())));
-  core_->buffers.Release(ar.buffer);
-}
-
-void UnitGroup::ReleaseSentGradients() {
-  ReduceScatterState& rs = reduce_scatter_;
-  rs.grads.clear();
-  core_->memory.in_flight_grad_bytes -= rs.grad_bytes;
-  rs.grad_bytes = 0;
-}
-
-void UnitGroup::ReleaseReductionBuffers() {
-  ReduceScatterState& rs = reduce_scatter_;
-  ReleaseSentGradients();
-  rs.in_place = false;
-  rs.segments = false;
-  if (rs.input.defined()) {
-    rs.output.reset();  // a view of the input: drop it before the pool checks
-    core_->buffers.Release(rs.input);
-  } else {  // segments path: pool buffers of their own (if any)
-    core_->buffers.Release(rs.output);
-  }
-  core_->buffers.Release(rs.scratch);
-  rs.flags.reset();
-}
-
-void UnitGroup::AddReducedFlags(at::Tensor& sum, const at::Tensor& flags) {
-  at::NoGradGuard no_grad;
-  if (sum.defined()) {
-    sum.add_(flags);
-  } else {
-    sum = flags.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
-  }
-}
-
-void UnitGroup::ResolveUnusedGrads() {
-  ResolveUnusedGrads(sharded_, step_.grad_flags);
-  ResolveUnusedGrads(replicated_, step_.replicated_flags);
-}
-
-void UnitGroup::ResolveUnusedGrads(const std::vector<ShardedParam*>& params,
-                                   at::Tensor& sum) {
-  if (!sum.defined()) return;
-  // One read per unit and step, after every reduction of the step finished.
-  const at::Tensor flags = sum.to(c10::kCPU).contiguous();
-  sum.reset();
-  const float* any = flags.data_ptr<float>();
-  for (size_t i = 0; i < params.size(); ++i) {
-    if (any[i] > 0) continue;
-    at::Tensor& grad = params[i]->sharded().mutable_grad();
-    if (grad.defined()) grad.reset();
-  }
+  if (members.empty()) members.push_back(this);  // alone
+  IssueReduction(members);
 }
 
 void UnitGroup::DiscardStep() {
@@ -517,10 +331,12 @@ void UnitGroup::DiscardStep() {
   all_gather_.work.reset();
   core_->buffers.Release(all_gather_.output);
   core_->buffers.Release(all_gather_.input);
+  gathered_with_.clear();
+  gather_issuer_ = nullptr;
   reduce_scatter_.work.reset();
+  ReleaseReductionPart();
   ReleaseReductionBuffers();
-  reduce_scatter_.input.reset();
-  reduce_scatter_.output.reset();
+  reduced_with_.clear();
   replicated_all_reduce_.work.reset();
   core_->buffers.Release(replicated_all_reduce_.buffer);
   step_ = StepReduction();

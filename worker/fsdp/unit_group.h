@@ -23,6 +23,22 @@
 // from the training thread (or the autograd thread while the training thread
 // waits in backward) in program order, so every rank issues the same sequence.
 //
+// Comm fusion (StepSchedule.fusion_groups): a unit may have fusion peers, the
+// units whose shard-group collectives go out together with its own. When a
+// peer must be gathered, it issues one all-gather of every peer still sharded
+// that the pass still needs (in forward: not entered yet; in backward: its
+// backward not finished) and holds it; the others wait on it (kGathering with
+// gather_issuer_). A syncing backward reduce-scatters the peers' gradients in
+// one collective, issued by the last peer to finish its backward, whose
+// pending reduction finishes them all. Only the shard group's collectives are
+// fused: each unit's parts lie side by side in their own layouts, and each
+// element is summed over the ranks in rank order whatever the packing, so
+// every unit gets its own bits; the replicate group's all-reduces and the
+// replicated parameters' all-reduces, whose ring order depends on the buffer,
+// stay per unit. On the flat path with more than two shards (NCCL: a ring's
+// summation order may depend on an element's offset) only the all-gathers
+// fuse.
+//
 // Thread-compatible: only ever driven by one thread at a time (see
 // fully_shard.h).
 #ifndef HSDP_WORKER_FSDP_UNIT_GROUP_H_
@@ -80,6 +96,19 @@ class UnitGroup {
   std::vector<ShardedParam*> params() const;
   bool is_unsharded() const { return state_ == State::kUnsharded; }
   bool is_gathering() const { return state_ == State::kGathering; }
+  c10::ScalarType compute_dtype() const { return compute_dtype_; }
+  c10::ScalarType reduce_dtype() const { return reduce_dtype_; }
+  // Has parameters sharded over the shard group (what fusion moves).
+  bool has_sharded_params() const { return !sharded_.empty(); }
+
+  // Comm fusion: the units (this one included, in index order) whose
+  // all-gathers, and whose reduce-scatters, go out with this unit's; empty
+  // when it goes alone. Set between passes (Engine::Apply).
+  void set_fusion_peers(std::vector<UnitGroup*> gather,
+                        std::vector<UnitGroup*> reduce) {
+    gather_peers_ = std::move(gather);
+    reduce_peers_ = std::move(reduce);
+  }
 
   // Issues the all-gather when sharded (no-op otherwise).
   void Unshard();
@@ -150,12 +179,27 @@ class UnitGroup {
   // Copies the replicated parameters into their unsharded tensors (where they
   // do not alias their shards).
   void FillReplicated();
-  void IssueAllGather();
-  void IssueReduction();
-  void IssueReduceScatter();
+  // Unshard's part for this unit alone, when kSharded: false when it has
+  // nothing to gather now (unsharded at once, or left sharded for a backward
+  // that does not read it); true when its sharded parameters must be
+  // gathered (its replicated ones are filled).
+  bool PrepareGather();
+  // This pass still needs the unit (see the file comment): a fusion peer
+  // joins a gather only then.
+  bool NeededLaterThisPass() const;
+  // Issues one all-gather of `members`' sharded parameters (this unit among
+  // them) and holds it.
+  void IssueAllGather(std::vector<UnitGroup*> members);
+  // On the issuer: waits the all-gather and unshards every unit it gathers.
+  void CompleteAllGather();
+  // Issues the reduction of `members` (this unit among them): one
+  // reduce-scatter of their sharded parameters, then each one's replicated
+  // all-reduce; this unit's pending reduction finishes them all.
+  void IssueReduction(const std::vector<UnitGroup*>& members);
+  void IssueReduceScatter(const std::vector<UnitGroup*>& members);
   void IssueReplicatedAllReduce();
-  // FinishReduction's parts: the sharded parameters' reduce-scatter (and
-  // replicate all-reduce), the replicated parameters' all-reduces.
+  // FinishReduction's parts, per member: its part of the reduce-scatter
+  // (and the replicate all-reduce), its replicated parameters' all-reduces.
   void FinishReduceScatter();
   void FinishReplicatedAllReduce();
   // HSDP: a microbatch without the replicate all-reduce adds `reduced` into
@@ -164,6 +208,9 @@ class UnitGroup {
   bool ReduceAcrossReplicas(const at::Tensor& reduced, at::Tensor& held);
   // The segments path's reduce-scatter no longer reads the gradients.
   void ReleaseSentGradients();
+  // Drops this unit's part of a reduce-scatter, then (as its issuer) the
+  // collective's own buffers.
+  void ReleaseReductionPart();
   void ReleaseReductionBuffers();
   // Adds one reduction's reduced flags to `sum`.
   static void AddReducedFlags(at::Tensor& sum, const at::Tensor& flags);
@@ -199,10 +246,20 @@ class UnitGroup {
   // Every parameter aliases its shard: nothing to gather or free.
   bool aliases_shard_ = false;
 
+  // The collectives this unit issued and what they cover (itself, and its
+  // fusion peers with it), and, while kGathering, the unit whose all-gather
+  // fills it (possibly itself).
   AllGatherState all_gather_;
+  std::vector<UnitGroup*> gathered_with_;
+  UnitGroup* gather_issuer_ = nullptr;
   ReduceScatterState reduce_scatter_;
+  std::vector<UnitGroup*> reduced_with_;
+  // This unit's part of a reduce-scatter (its own or a peer's).
+  ReduceScatterPart reduce_part_;
   ReplicatedAllReduceState replicated_all_reduce_;
   StepReduction step_;
+  std::vector<UnitGroup*> gather_peers_;
+  std::vector<UnitGroup*> reduce_peers_;
 
   UnitStats stats_;
   // Trace times (wall clock ns; only read when tracing).

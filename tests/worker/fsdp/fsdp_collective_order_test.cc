@@ -76,6 +76,16 @@ Recorded Record(comm::MeshShape shape, RunConfig config, bool flat = false) {
   return out;
 }
 
+// A comm fusion bucket that groups the root with block 1 and the other
+// blocks in pairs (the blocks are of one size, the root smaller).
+int64_t PairBucket() {
+  RunConfig config;
+  config.dims.layers = kLayers;
+  const UnitList units = TestModelUnits(config);
+  EXPECT_LT(units[0].param_bytes(), units[1].param_bytes());
+  return 2 * units[1].param_bytes();
+}
+
 int Find(const Recorded& r, EventKind kind, int unit, int mb, Phase phase) {
   for (size_t i = 0; i < r.events.size(); ++i) {
     const CollectiveEvent& e = r.events[i];
@@ -286,6 +296,14 @@ TEST(CollectiveOrderTest, CountsPerStepEqualWhatTheScheduleImplies) {
   every.prefetch = 2;
   every.all_reduce_every_microbatch = false;
   cases.push_back({"sync every, all-reduce last", every});
+  // Comm fusion: in pairs of units, and all in one group, with the policies
+  // above.
+  const int64_t pairs = PairBucket();
+  for (size_t i = 0, n = cases.size(); i < n; ++i) {
+    RunConfig fused = cases[i].config;
+    fused.comm_fusion_bucket_bytes = i % 2 == 0 ? pairs : int64_t{1} << 40;
+    cases.push_back({i % 2 == 0 ? "fused in pairs" : "all fused", fused});
+  }
   for (const Case& c : cases) {
     for (bool flat : {false, true}) {
       const Recorded r = Record({2, 2}, c.config, flat);
@@ -300,8 +318,76 @@ TEST(CollectiveOrderTest, CountsPerStepEqualWhatTheScheduleImplies) {
       EXPECT_EQ(r.stats.all_gathers, want.all_gathers);
       EXPECT_EQ(r.stats.reduce_scatters, want.reduce_scatters);
       EXPECT_EQ(r.stats.all_reduces, want.all_reduces);
+      if (c.config.comm_fusion_bucket_bytes > 0) {
+        EXPECT_GT(r.schedule.fusion_groups_size(), 0);
+      }
     }
   }
+}
+
+// Comm fusion in pairs ({root, 1}, {2, 3}, {4} alone, no prefetch): a
+// group's first member to need a gather gathers every member the pass still
+// needs, in one collective it issues; the group reduce-scatters once, after
+// the backward of its last member (in backward order) and issued by it.
+TEST(CollectiveOrderTest, FusionGathersAGroupOnceAndReducesAfterItsLast) {
+  RunConfig config;
+  config.comm_fusion_bucket_bytes = PairBucket();
+  const Recorded r = Record({1, 2}, config);
+  SCOPED_TRACE(r.text);
+  ExpectAttributed(r);
+  ASSERT_EQ(r.schedule.fusion_groups_size(), 2);
+  EXPECT_EQ(std::vector<int>(r.schedule.fusion_groups(0).units().begin(),
+                             r.schedule.fusion_groups(0).units().end()),
+            (std::vector<int>{0, 1}));
+  EXPECT_EQ(std::vector<int>(r.schedule.fusion_groups(1).units().begin(),
+                             r.schedule.fusion_groups(1).units().end()),
+            (std::vector<int>{2, 3}));
+  // Forward: the root gathers block 1 with it, block 2 gathers block 3.
+  EXPECT_EQ(Count(r, EventKind::kAllGather, 0, -1, kFwd), 3);
+  for (int unit : {0, 2, 4})
+    EXPECT_EQ(Count(r, EventKind::kAllGather, 0, unit, kFwd), 1) << unit;
+  EXPECT_LT(Find(r, EventKind::kAllGather, 2, 0, Phase::kForward),
+            Find(r, EventKind::kComputeBegin, 2, 0, Phase::kForward));
+  // Backward (the root kept unsharded): block 4 alone, block 3 gathers 2;
+  // block 1 alone (the root is not sharded).
+  EXPECT_EQ(Count(r, EventKind::kAllGather, 0, -1, kBwd), 3);
+  for (int unit : {4, 3, 1})
+    EXPECT_EQ(Count(r, EventKind::kAllGather, 0, unit, kBwd), 1) << unit;
+  // Reduce-scatters: block 4; {2, 3} after block 2's backward, from block 2;
+  // {root, 1} at the end of backward, from the root.
+  EXPECT_EQ(Count(r, EventKind::kReduceScatter), 3);
+  for (int unit : {4, 2, 0})
+    EXPECT_EQ(Count(r, EventKind::kReduceScatter, 0, unit), 1) << unit;
+  EXPECT_GT(Find(r, EventKind::kReduceScatter, 2, 0, Phase::kBackward),
+            Find(r, EventKind::kComputeEnd, 2, 0, Phase::kBackward));
+  EXPECT_GT(Find(r, EventKind::kReduceScatter, 0, 0, Phase::kBackward),
+            Find(r, EventKind::kComputeEnd, 0, 0, Phase::kBackward));
+  // The members' bytes went out in their peers' collectives.
+  EXPECT_EQ(r.stats.units[1].fused_all_gathers, 1);
+  EXPECT_EQ(r.stats.units[3].fused_all_gathers, 1);
+  EXPECT_EQ(r.stats.units[2].fused_all_gathers, 1);
+  EXPECT_EQ(r.stats.units[1].fused_reduce_scatters, 1);
+  EXPECT_EQ(r.stats.units[3].fused_reduce_scatters, 1);
+  EXPECT_EQ(r.stats.units[4].fused_all_gathers +
+                r.stats.units[4].fused_reduce_scatters,
+            0);
+  EXPECT_EQ(r.stats.unsharded_bytes_alive, 0);
+}
+
+// On the flat path (NCCL's) with more than two shards the reduce-scatters
+// stay per unit (a ring's summation order may depend on the packing); the
+// all-gathers still fuse.
+TEST(CollectiveOrderTest, FlatPathBeyondTwoShardsFusesOnlyAllGathers) {
+  RunConfig config;
+  config.comm_fusion_bucket_bytes = int64_t{1} << 40;
+  const Recorded flat = Record({1, 4}, config, /*flat=*/true);
+  SCOPED_TRACE(flat.text);
+  EXPECT_EQ(Count(flat, EventKind::kReduceScatter), kUnits);
+  // Forward: one gather of everything; backward: the blocks in one.
+  EXPECT_EQ(Count(flat, EventKind::kAllGather), 2);
+  const Recorded segments = Record({1, 4}, config);
+  EXPECT_EQ(Count(segments, EventKind::kReduceScatter), 1) << segments.text;
+  EXPECT_EQ(Count(segments, EventKind::kAllGather), 2) << segments.text;
 }
 
 }  // namespace

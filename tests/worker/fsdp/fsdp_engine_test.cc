@@ -104,7 +104,7 @@ TEST(CollectivesTest, CopyInOutAndReduceScatterLayoutRoundTrip) {
   ps[1]->module_param().mutable_grad() = b * 3;
   const at::Tensor flat =
       torch::full({kSize * FlatChunkNumel(ps)}, 7.0, torch::kDouble);
-  ReduceScatterCopyIn(ps, flat);
+  ReduceScatterCopyIn(ps, flat.view({kSize, -1}));
   for (int r = 0; r < kSize; ++r) {
     std::vector<ShardedParam*> rps = {ranks[r][0].get(), ranks[r][1].get()};
     std::vector<at::Tensor> pieces =

@@ -5,7 +5,7 @@
 // (what every other CPU test takes) and Gloo TCP (ranks on different hosts).
 // FlatOnlyCommunicator hides the segment support of the same communicators;
 // GPT training on each mesh must give bitwise identical losses and final
-// parameters all three ways.
+// parameters all three ways, with comm fusion as without.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -27,6 +27,7 @@ namespace {
 
 constexpr uint64_t kSeed = 17;
 constexpr int kGlobalBatch = 8;
+constexpr int64_t kFuseAll = int64_t{1} << 30;
 
 // Uneven over 2 and 4 shards: tok_emb and head have 37 rows, qkv 30, fc 18, the
 // LayerNorms 10; pos_emb's 6 rows are uneven over 4.
@@ -90,8 +91,20 @@ std::vector<Policy> Policies() {
     c.prefetch = 2;
     out.push_back({"no_sync_microbatch_prefetch2", c});
   }
+  {
+    // Comm fusion, every unit in one group; then with the no-sync policy.
+    RunConfig c = base;
+    c.comm_fusion_bucket_bytes = kFuseAll;
+    out.push_back({"fused", c});
+    c = out[3].config;
+    c.comm_fusion_bucket_bytes = kFuseAll;
+    out.push_back({"fused_no_sync_microbatch_prefetch2", c});
+  }
   return out;
 }
+
+// Policies() pairs that differ in comm fusion only: the same bits.
+constexpr std::pair<int, int> kFusedTwins[] = {{0, 4}, {3, 5}};
 
 struct GptRun {
   std::vector<double> losses;  // this rank's loss per step
@@ -245,6 +258,19 @@ TEST_P(FlatPathTest, FlatEqualsSegmentsBitwise) {
   }
   // Mixed precision really ran in bf16: not the fp32 run's numbers.
   EXPECT_FALSE(BitwiseEqual(segments[2][0].params, segments[0][0].params));
+  // Comm fusion changed no bit on any path (the flat path fuses its
+  // reduce-scatters up to two shards, its all-gathers always).
+  for (const auto& [plain, fused] : kFusedTwins) {
+    SCOPED_TRACE(policies[fused].name);
+    for (const auto* path : {&segments, &flat, &tcp}) {
+      for (int r = 0; r < shape.world_size(); ++r) {
+        EXPECT_EQ((*path)[fused][r].losses, (*path)[plain][r].losses)
+            << "rank " << r;
+      }
+      EXPECT_TRUE(
+          BitwiseEqual((*path)[fused][0].params, (*path)[plain][0].params));
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Meshes, FlatPathTest,

@@ -93,6 +93,29 @@ TEST(ClipGradNormTest, GlobalNormMatchesSingleProcessClipping) {
                          kParityTolerance);
 }
 
+// Trains every config on `shape` from `init`: results[config][rank].
+std::vector<std::vector<RunResult>> TrainConfigs(
+    const comm::MeshShape& shape, const StateDict& init,
+    const std::vector<RunConfig>& configs) {
+  std::vector<std::vector<RunResult>> results(
+      configs.size(), std::vector<RunResult>(shape.world_size()));
+  RunOnMesh(shape, [&](RankContext& ctx) {
+    for (size_t i = 0; i < configs.size(); ++i) {
+      results[i][ctx.rank] = TrainSharded(ctx.comms(), ctx.rank,
+                                          shape.world_size(), init, configs[i]);
+    }
+  });
+  return results;
+}
+
+// Every rank's losses and the final parameters, bit for bit.
+void ExpectSameNumbers(const std::vector<RunResult>& got,
+                       const std::vector<RunResult>& want) {
+  for (size_t r = 0; r < got.size(); ++r)
+    EXPECT_EQ(got[r].losses, want[r].losses) << "rank " << r;
+  EXPECT_TRUE(BitwiseEqual(got[0].params, want[0].params));
+}
+
 // Every combination of reshard/prefetch/offload gives bitwise identical losses
 // and parameters.
 TEST(PolicyTest, PolicyNeverChangesTheNumbers) {
@@ -118,24 +141,14 @@ TEST(PolicyTest, PolicyNeverChangesTheNumbers) {
       }
     }
   }
-  // results[config][rank]
-  std::vector<std::vector<RunResult>> results(
-      configs.size(), std::vector<RunResult>(shape.world_size()));
-  RunOnMesh(shape, [&](RankContext& ctx) {
-    for (size_t i = 0; i < configs.size(); ++i) {
-      results[i][ctx.rank] = TrainSharded(ctx.comms(), ctx.rank,
-                                          shape.world_size(), init, configs[i]);
-    }
-  });
+  const std::vector<std::vector<RunResult>> results =
+      TrainConfigs(shape, init, configs);
   for (size_t i = 1; i < configs.size(); ++i) {
     const RunConfig& c = configs[i];
     SCOPED_TRACE(absl::StrCat(
         "raf=", c.reshard_after_forward, " rab=", c.reshard_after_backward,
         " prefetch=", c.prefetch, " offload=", c.offload));
-    for (int r = 0; r < shape.world_size(); ++r) {
-      EXPECT_EQ(results[i][r].losses, results[0][r].losses) << "rank " << r;
-    }
-    EXPECT_TRUE(BitwiseEqual(results[i][0].params, results[0][0].params));
+    ExpectSameNumbers(results[i], results[0]);
   }
   // The policies did differ in what they did: keeping params after forward
   // saves all-gathers.
@@ -145,6 +158,89 @@ TEST(PolicyTest, PolicyNeverChangesTheNumbers) {
     return n;
   };
   EXPECT_GT(gathers(results[0][0]), gathers(results[configs.size() - 1][0]));
+}
+
+// Comm fusion buckets for the test model: 0 (none), the root and the first
+// block together (the second block alone), and every unit in one group.
+std::vector<int64_t> FusionBuckets(const RunConfig& config) {
+  const UnitList units = TestModelUnits(config);
+  return {0, units[0].param_bytes() + units[1].param_bytes(),
+          TotalParamBytes(units)};
+}
+
+// Comm fusion sends several units' bytes in one collective: the same losses
+// and parameters, bit for bit, on the shapes where it fuses (shards) and the
+// HSDP mesh (whose replicate all-reduces stay per unit), with fewer
+// all-gathers and reduce-scatters.
+TEST(PolicyTest, CommFusionNeverChangesTheNumbers) {
+  RunConfig base;
+  base.steps = 2;
+  base.microbatches = 2;
+  base.all_reduce_every_microbatch = false;
+  const std::vector<int64_t> buckets = FusionBuckets(base);
+  const StateDict init = MakeInitialState(base.dims, 3);
+  for (const comm::MeshShape shape :
+       {comm::MeshShape{1, 4}, comm::MeshShape{2, 2}}) {
+    std::vector<RunConfig> configs;
+    for (bool raf : {true, false}) {
+      for (bool sync_every : {true, false}) {
+        for (int64_t bucket : buckets) {
+          RunConfig c = base;
+          c.reshard_after_forward = raf;
+          c.sync_every_microbatch = sync_every;
+          c.prefetch = raf ? 1 : 0;
+          c.comm_fusion_bucket_bytes = bucket;
+          configs.push_back(c);
+        }
+      }
+    }
+    const std::vector<std::vector<RunResult>> results =
+        TrainConfigs(shape, init, configs);
+    for (size_t i = 0; i < configs.size(); ++i) {
+      const size_t unfused = i - i % buckets.size();
+      if (i == unfused) continue;
+      const RunConfig& c = configs[i];
+      SCOPED_TRACE(absl::StrCat(shape.replicate, "x", shape.shard,
+                                " raf=", c.reshard_after_forward,
+                                " sync_every=", c.sync_every_microbatch,
+                                " bucket=", c.comm_fusion_bucket_bytes));
+      ExpectSameNumbers(results[i], results[unfused]);
+      const EngineStats& fused = results[i][0].stats;
+      const EngineStats& alone = results[unfused][0].stats;
+      EXPECT_LT(fused.all_gathers, alone.all_gathers);
+      EXPECT_LT(fused.reduce_scatters, alone.reduce_scatters);
+      EXPECT_EQ(fused.all_reduces, alone.all_reduces);
+      // Every unit's bytes went out, in its own collective or a peer's.
+      for (size_t u = 0; u < fused.units.size(); ++u) {
+        EXPECT_EQ(fused.units[u].all_gathers + fused.units[u].fused_all_gathers,
+                  alone.units[u].all_gathers)
+            << "unit " << u;
+      }
+    }
+  }
+}
+
+// The fusion bucket changed between steps (as a policy set with hsdpctl
+// applies from the next unsealed step): the run's losses and parameters are
+// those of a run that never fused.
+TEST(PolicyTest, CommFusionChangedMidRunKeepsTheNumbers) {
+  RunConfig base;
+  base.steps = 4;
+  base.microbatches = 2;
+  base.sync_every_microbatch = false;
+  const std::vector<int64_t> buckets = FusionBuckets(base);
+  RunConfig changing = base;
+  changing.fusion_bucket_by_step = {buckets[2], 0, buckets[1], buckets[2]};
+  const StateDict init = MakeInitialState(base.dims, 13);
+  for (const comm::MeshShape shape :
+       {comm::MeshShape{1, 2}, comm::MeshShape{2, 2}}) {
+    SCOPED_TRACE(absl::StrCat(shape.replicate, "x", shape.shard));
+    std::vector<RunResult> plain = TrainOnMesh(shape, init, base);
+    std::vector<RunResult> changed = TrainOnMesh(shape, init, changing);
+    ExpectSameNumbers(changed, plain);
+    EXPECT_LT(changed[0].stats.all_gathers, plain[0].stats.all_gathers);
+    EXPECT_NE(plain[0].losses.front(), plain[0].losses.back());
+  }
 }
 
 TEST(GradAccumulationTest, NoSyncMicrobatchesEqualOneLargeBatch) {

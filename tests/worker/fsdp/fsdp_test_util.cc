@@ -115,6 +115,7 @@ hsdp::v1::Policy PolicyFor(const RunConfig& config) {
   policy.set_all_reduce(config.all_reduce_every_microbatch
                             ? hsdp::v1::ALL_REDUCE_MODE_EVERY_MICROBATCH
                             : hsdp::v1::ALL_REDUCE_MODE_LAST_MICROBATCH);
+  policy.set_comm_fusion_bucket_bytes(config.comm_fusion_bucket_bytes);
   return policy;
 }
 
@@ -142,6 +143,16 @@ hsdp::v1::StepSchedule MakeSchedule(int num_units, const RunConfig& config) {
     units.push_back(unit);
   }
   return Plan(std::move(units), config);
+}
+
+UnitList TestModelUnits(const RunConfig& config) {
+  const StateDict init = MakeInitialState(config.dims, 0);
+  UnitList units;
+  RunOnMesh({1, 1}, [&](RankContext& ctx) {
+    TinyTransformer model = MakeModel(config.dims, init);
+    units = PlannerUnits(*MakeEngine(model, ctx.comms(), config));
+  });
+  return units;
 }
 
 EngineOptions EngineOptionsFor(const RunConfig& config) {
@@ -242,10 +253,16 @@ RunResult TrainSharded(MeshComms comms, int dp_rank, int dp_size,
   std::unique_ptr<Engine> engine = MakeEngine(model, comms, config);
   torch::optim::AdamW optimizer(engine->Parameters(),
                                 torch::optim::AdamWOptions(config.lr));
-  const hsdp::v1::StepSchedule schedule = PlanSchedule(*engine, config);
   const int local = config.global_batch / dp_size;
   const int per_mb = local / config.microbatches;
   for (int step = 0; step < config.steps; ++step) {
+    RunConfig step_config = config;
+    if (!config.fusion_bucket_by_step.empty()) {
+      step_config.comm_fusion_bucket_bytes =
+          config.fusion_bucket_by_step[step %
+                                       config.fusion_bucket_by_step.size()];
+    }
+    const hsdp::v1::StepSchedule schedule = PlanSchedule(*engine, step_config);
     double step_loss = 0;
     for (int mb = 0; mb < config.microbatches; ++mb) {
       absl::Status s = engine->Apply(schedule, mb);

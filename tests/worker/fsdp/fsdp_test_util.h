@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "absl/time/time.h"
+#include "common/units.h"
 #include "hsdp/v1/policy.pb.h"
 #include "hsdp/v1/schedule.pb.h"
 #include "tests/worker/fsdp/recording_communicator.h"
@@ -93,6 +94,11 @@ struct RunConfig {
   double lr = 2e-3;
   MixedPrecisionPolicy mixed_precision;
   GradientReduction gradient_reduction;
+  // Policy.comm_fusion_bucket_bytes (0: no fusion).
+  int64_t comm_fusion_bucket_bytes = 0;
+  // When not empty, step s runs with comm_fusion_bucket_bytes =
+  // fusion_bucket_by_step[s % size]: a policy changed between steps.
+  std::vector<int64_t> fusion_bucket_by_step;
 };
 
 struct RunResult {
@@ -104,7 +110,8 @@ struct RunResult {
 };
 
 // The policy a RunConfig describes: both reshard flags, prefetch depth
-// `prefetch` both ways, microbatches and their sync / all-reduce modes.
+// `prefetch` both ways, microbatches and their sync / all-reduce modes, the
+// comm fusion bucket.
 hsdp::v1::Policy PolicyFor(const RunConfig& config);
 // The production planner's schedule (coordinator/planner.h) of that policy for
 // `engine`'s units.
@@ -114,6 +121,10 @@ hsdp::v1::StepSchedule PlanSchedule(const Engine& engine,
 // "layers.0", ...) when no engine is at hand. Tests that need a schedule the
 // planner never makes edit one of these.
 hsdp::v1::StepSchedule MakeSchedule(int num_units, const RunConfig& config);
+
+// The planner's unit list (PlannerUnits) of the test model `config.dims`
+// describes, built on a one-rank mesh: e.g. to choose comm fusion buckets.
+UnitList TestModelUnits(const RunConfig& config);
 
 // The engine options a RunConfig asks for (mixed precision, offload, the
 // default reshard after forward).

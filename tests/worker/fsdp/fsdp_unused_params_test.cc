@@ -43,6 +43,9 @@ constexpr double kLr = 0.5;
 constexpr double kTolerance = 2e-6;
 // No step comes anywhere near the collective timeout (a hang would).
 constexpr double kMaxStepSeconds = 5;
+// Comm fusion buckets: two experts' bytes, and every unit in one group.
+constexpr int64_t kPairs = 2 * (kDim * kDim + kDim) * 4;
+constexpr int64_t kAll = int64_t{1} << 30;
 
 enum class Shape { kExpertsInUnit, kExpertUnits, kUnreachedUnits, kShared };
 
@@ -277,6 +280,8 @@ struct Variant {
   // Non-last microbatches: reduce-scatter, all-reduce (HSDP) or neither.
   bool sync_every_microbatch = true;
   bool all_reduce_every_microbatch = true;
+  // Policy.comm_fusion_bucket_bytes (0: none).
+  int64_t fusion_bucket = 0;
 };
 
 Result TrainSharded(Shape shape, comm::MeshShape mesh, const StateDict& init,
@@ -298,7 +303,11 @@ Result TrainSharded(Shape shape, comm::MeshShape mesh, const StateDict& init,
     config.prefetch = v.prefetch;
     config.sync_every_microbatch = v.sync_every_microbatch;
     config.all_reduce_every_microbatch = v.all_reduce_every_microbatch;
+    config.comm_fusion_bucket_bytes = v.fusion_bucket;
     const hsdp::v1::StepSchedule schedule = PlanSchedule(*engine, config);
+    if (v.fusion_bucket == kAll) {
+      EXPECT_EQ(schedule.fusion_groups_size(), 1);
+    }
     const int local = kGlobalBatch / mesh.world_size();
     const int per_mb = local / v.microbatches;
     const Runner enter = [&engine](int unit, const at::Tensor& x,
@@ -388,24 +397,52 @@ INSTANTIATE_TEST_SUITE_P(
 
 // Microbatches (the flags accumulate across reductions, also while HSDP
 // holds shard-reduced gradients back from the all-reduce), prefetch (gathers
-// issued ahead for a unit this rank then skips) and the flat path.
-TEST(UnusedParamsVariantsTest, MicrobatchesPrefetchAndFlatPath) {
+// issued ahead for a unit this rank then skips), the flat path, and comm
+// fusion (a group's members skipped, not reached or called again on some
+// ranks: the same fused collectives everywhere).
+TEST(UnusedParamsVariantsTest, MicrobatchesPrefetchFlatPathAndFusion) {
   at::set_num_threads(1);
   const StateDict init = MoeInit();
   const std::vector<Variant> variants = {
-      {2, 0, false, true, true},   {2, 0, false, true, false},
-      {2, 0, false, false, false}, {1, 1, false, true, true},
-      {2, 1, true, true, false},   {1, 0, true, true, true}};
+      {2, 0, false, true, true},         {2, 0, false, true, false},
+      {2, 0, false, false, false},       {1, 1, false, true, true},
+      {2, 1, true, true, false},         {1, 0, true, true, true},
+      {1, 0, false, true, true, kPairs}, {2, 1, false, true, false, kAll},
+      {2, 0, false, false, false, kAll}, {2, 1, true, true, false, kPairs},
+      {1, 0, true, true, true, kAll}};
   for (Shape shape : {Shape::kExpertsInUnit, Shape::kExpertUnits,
                       Shape::kUnreachedUnits, Shape::kShared}) {
     const Result want = TrainReference(shape, init);
     for (const Variant& v : variants) {
-      SCOPED_TRACE(absl::StrCat(ShapeName(shape), " micro ", v.microbatches,
-                                " prefetch ", v.prefetch, " flat ", v.flat,
-                                " sync ", v.sync_every_microbatch,
-                                " all-reduce ", v.all_reduce_every_microbatch));
+      SCOPED_TRACE(absl::StrCat(
+          ShapeName(shape), " micro ", v.microbatches, " prefetch ", v.prefetch,
+          " flat ", v.flat, " sync ", v.sync_every_microbatch, " all-reduce ",
+          v.all_reduce_every_microbatch, " fusion ", v.fusion_bucket));
       const Result got = TrainSharded(shape, {2, 2}, init, v);
       EXPECT_TRUE(got.ranks_agree);
+      for (int step = 0; step < kSteps; ++step)
+        ExpectSameGradients(got.grads[step], want.grads[step], step);
+      EXPECT_LT(MaxAbsDiff(got.params, want.params), kTolerance);
+    }
+  }
+}
+
+// Comm fusion over four shards, every unit in one group and in pairs: ranks
+// that skip, do not reach or reuse different members still issue the same
+// fused collectives, and every gradient is the single-process one.
+TEST(UnusedParamsVariantsTest, FusionOverFourShards) {
+  at::set_num_threads(1);
+  const StateDict init = MoeInit();
+  for (Shape shape : {Shape::kExpertsInUnit, Shape::kExpertUnits,
+                      Shape::kUnreachedUnits, Shape::kShared}) {
+    const Result want = TrainReference(shape, init);
+    for (int64_t bucket : {kPairs, kAll}) {
+      SCOPED_TRACE(absl::StrCat(ShapeName(shape), " fusion ", bucket));
+      Variant v;
+      v.fusion_bucket = bucket;
+      const Result got = TrainSharded(shape, {1, 4}, init, v);
+      EXPECT_TRUE(got.ranks_agree);
+      EXPECT_LT(got.slowest_step_seconds, kMaxStepSeconds);
       for (int step = 0; step < kSteps; ++step)
         ExpectSameGradients(got.grads[step], want.grads[step], step);
       EXPECT_LT(MaxAbsDiff(got.params, want.params), kTolerance);
