@@ -49,19 +49,24 @@ std::set<SocketEnds> ShutdownSockets(const std::set<SocketEnds>& ends) {
     if (!absl::SimpleAtoi(entry->d_name, &fd) || fd == dirfd(dir)) continue;
     const int own = fcntl(fd, F_DUPFD_CLOEXEC, 0);
     if (own < 0) continue;
+    // Both ends are read once and formatted from what was read: Gloo's
+    // Address::fromPeerName() asks again and throws when the socket has lost
+    // its peer in between (another rank of this process aborting, or Gloo
+    // closing the pair), and nothing may throw out of an abort.
     struct stat st;
-    sockaddr_storage addr;
-    socklen_t len = sizeof(addr);
+    sockaddr_storage local, remote;
+    socklen_t local_len = sizeof(local), remote_len = sizeof(remote);
     if (fstat(own, &st) == 0 && S_ISSOCK(st.st_mode) &&
-        getsockname(own, reinterpret_cast<sockaddr*>(&addr), &len) == 0 &&
-        (addr.ss_family == AF_INET || addr.ss_family == AF_INET6)) {
-      len = sizeof(addr);
-      if (getpeername(own, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
-        SocketEnds key(gloo::transport::tcp::Address::fromSockName(own).str(),
-                       gloo::transport::tcp::Address::fromPeerName(own).str());
-        if (ends.count(key) > 0 && shutdown(own, SHUT_RDWR) == 0) {
-          found.insert(std::move(key));
-        }
+        getsockname(own, reinterpret_cast<sockaddr*>(&local), &local_len) ==
+            0 &&
+        (local.ss_family == AF_INET || local.ss_family == AF_INET6) &&
+        getpeername(own, reinterpret_cast<sockaddr*>(&remote), &remote_len) ==
+            0 &&
+        remote.ss_family == local.ss_family) {
+      SocketEnds key(gloo::transport::tcp::Address(local).str(),
+                     gloo::transport::tcp::Address(remote).str());
+      if (ends.count(key) > 0 && shutdown(own, SHUT_RDWR) == 0) {
+        found.insert(std::move(key));
       }
     }
     close(own);
