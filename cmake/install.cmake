@@ -4,17 +4,16 @@
 # Installs under CMAKE_INSTALL_PREFIX:
 #   bin/      hsdp-coordinator, hsdp-worker, hsdpctl, hsdp-launch, hsdp-ckpt, hsdp-compare (hsdp-launch
 #             finds the coordinator next to itself; --worker-binary launches a user's worker instead)
-#   include/  the public headers (the closure of HSDP_PUBLIC_HEADERS below over the project's own
-#             #include "..." lines) and the generated hsdp/v1/*.pb.h
+#   include/  the public headers, include/hsdp/ of the source tree and nothing else
 #   lib/      the static libraries, and lib/cmake/hsdp/ with hsdpConfig.cmake,
 #             hsdpConfigVersion.cmake and hsdpTargets.cmake
 #
 # Exported targets (namespace hsdp::), also defined as ALIAS targets in-tree so the same
 # CMakeLists (examples/) builds in-tree and against the installed package:
-#   hsdp::worker  the public worker API and runner (worker/train: task.h, runner.h, worker_main.h)
-#   hsdp::models  the built-in GPT tasks (worker/models)
-#   hsdp::fsdp    the sharding engine (worker/fsdp/fully_shard.h)
-#   hsdp::comm    communicators and the device mesh (worker/comm)
+#   hsdp::worker  the public worker API and runner (hsdp/task.h, hsdp/runner.h, hsdp/worker_main.h)
+#   hsdp::models  the built-in GPT tasks (hsdp/models/)
+#   hsdp::fsdp    the sharding engine (hsdp/fully_shard.h)
+#   hsdp::comm    communicators and the device mesh (hsdp/device_mesh.h)
 #   hsdp::common, hsdp::proto, hsdp::grpc, hsdp::agent, hsdp::ckpt (and hsdp::nccl when built):
 #                 what the above link; a user links hsdp::worker (or hsdp::fsdp for the bare engine).
 # The libraries are static: a static library's private dependencies are part of its link
@@ -44,19 +43,6 @@ if(HSDP_BUILD_WORKER)
     list(APPEND _hsdp_exports hsdp_nccl:nccl)
   endif()
 endif()
-
-# The headers a user includes; everything of ours they include is installed with them.
-set(HSDP_PUBLIC_HEADERS
-  worker/train/task.h
-  worker/train/unit.h
-  worker/train/task_util.h
-  worker/train/task_options.h
-  worker/train/runner.h
-  worker/train/worker_main.h
-  worker/fsdp/fully_shard.h
-  worker/comm/device_mesh.h
-  worker/models/gpt_task.h
-  worker/models/builtin_tasks.h)
 
 # Source-tree include directories only make sense in the build tree: wrap them in BUILD_INTERFACE
 # and point installed consumers at include/.
@@ -105,33 +91,12 @@ set_target_properties(${_hsdp_binaries} PROPERTIES INSTALL_RPATH_USE_LINK_PATH O
 install(TARGETS ${_hsdp_binaries} RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
 
 # --- headers -------------------------------------------------------------------------------------
-# The generated hsdp.v1 headers (proto/CMakeLists.txt writes them under build/proto/gen) of the
-# exported hsdp::proto and hsdp::grpc: all of them, since they include one another.
-install(DIRECTORY "${PROJECT_BINARY_DIR}/proto/gen/hsdp"
+# Exactly the public tree, include/hsdp/: what a user includes, protobuf-free, with internals
+# forward-declared. tests/install/install_test.sh checks that it is self-contained and pulls in no
+# protobuf header.
+install(DIRECTORY "${PROJECT_SOURCE_DIR}/include/hsdp"
         DESTINATION "${CMAKE_INSTALL_INCLUDEDIR}"
-        FILES_MATCHING PATTERN "*.pb.h")
-
-# Ours: the closure of HSDP_PUBLIC_HEADERS over `#include "..."` lines that resolve in the source
-# tree (the others are generated, above, or a dependency's).
-set(_hsdp_header_queue ${HSDP_PUBLIC_HEADERS})
-set(_hsdp_headers_seen "")
-while(_hsdp_header_queue)
-  list(POP_FRONT _hsdp_header_queue header)
-  if(header IN_LIST _hsdp_headers_seen OR NOT EXISTS "${PROJECT_SOURCE_DIR}/${header}")
-    continue()
-  endif()
-  list(APPEND _hsdp_headers_seen "${header}")
-  set(path "${PROJECT_SOURCE_DIR}/${header}")
-  get_filename_component(dir "${header}" DIRECTORY)
-  install(FILES "${path}" DESTINATION "${CMAKE_INSTALL_INCLUDEDIR}/${dir}")
-  # A header that starts including another of ours re-runs this at the next build.
-  set_property(DIRECTORY APPEND PROPERTY CMAKE_CONFIGURE_DEPENDS "${path}")
-  file(STRINGS "${path}" includes REGEX "^[ \t]*#[ \t]*include[ \t]+\"[^\"]+\"")
-  foreach(line IN LISTS includes)
-    string(REGEX REPLACE "^[ \t]*#[ \t]*include[ \t]+\"([^\"]+)\".*" "\\1" inc "${line}")
-    list(APPEND _hsdp_header_queue "${inc}")
-  endforeach()
-endwhile()
+        FILES_MATCHING PATTERN "*.h")
 
 # --- package config ------------------------------------------------------------------------------
 # CLI11's target is imported in worker/train only (not visible here): ask hsdp_train whether it

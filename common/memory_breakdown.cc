@@ -1,4 +1,4 @@
-#include "common/memory_breakdown.h"
+#include "hsdp/memory_breakdown.h"
 
 #include "absl/strings/str_format.h"
 

@@ -4,7 +4,7 @@
 #include <utility>
 
 #include "absl/strings/str_format.h"
-#include "common/mesh.h"
+#include "hsdp/mesh.h"
 
 namespace hsdp {
 namespace {

@@ -47,8 +47,8 @@
 #include <string>
 #include <vector>
 
-#include "common/memory_breakdown.h"
 #include "common/units.h"
+#include "hsdp/memory_breakdown.h"
 #include "hsdp/v1/schedule.pb.h"
 
 namespace hsdp {

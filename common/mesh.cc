@@ -1,4 +1,4 @@
-#include "common/mesh.h"
+#include "hsdp/mesh.h"
 
 #include <algorithm>
 
@@ -69,17 +69,6 @@ absl::StatusOr<MeshShape> ParseMeshForWorld(absl::string_view text,
 
 std::string MeshToString(const MeshShape& mesh) {
   return absl::StrCat(mesh.replicate, "x", mesh.shard);
-}
-
-hsdp::v1::Mesh MeshToProto(const MeshShape& mesh) {
-  hsdp::v1::Mesh proto;
-  proto.set_replicate(mesh.replicate);
-  proto.set_shard(mesh.shard);
-  return proto;
-}
-
-MeshShape MeshFromProto(const hsdp::v1::Mesh& mesh) {
-  return MeshShape{mesh.replicate(), mesh.shard()};
 }
 
 MeshCoord RankToCoord(const MeshShape& mesh, int rank) {

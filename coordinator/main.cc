@@ -22,12 +22,12 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/file_util.h"
-#include "common/mesh.h"
 #include "common/policy.h"
 #include "common/status_util.h"
 #include "common/token.h"
 #include "coordinator/core/schedule_log.h"
 #include "coordinator/server.h"
+#include "hsdp/mesh.h"
 
 namespace {
 

@@ -14,10 +14,10 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
-#include "common/mesh.h"
 #include "coordinator/core/schedule_log.h"
 #include "coordinator/core/trace_collector.h"
 #include "coordinator/service/schedule_feed.h"
+#include "hsdp/mesh.h"
 #include "hsdp/v1/policy.pb.h"
 
 namespace grpc {

@@ -276,7 +276,7 @@ run_hsdp() { # run dir, mesh
   start_coordinator "$dir" "$mesh"
   job_pids=()
   local progress=()
-  # Rank r on host r / G: with rank = replicate_index * shard + shard_index (common/mesh.h) the
+  # Rank r on host r / G: with rank = replicate_index * shard + shard_index (hsdp/mesh.h) the
   # shard group of an HxG mesh is exactly one host's ranks; --rank-hint pins the placement.
   for ((r = 0; r < WORLD; r++)); do
     h="$(host_of_rank "$r")"

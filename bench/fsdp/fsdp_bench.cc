@@ -33,15 +33,15 @@
 #include "absl/strings/str_cat.h"
 #include "common/policy.h"
 #include "coordinator/planner.h"
+#include "hsdp/device_mesh.h"
+#include "hsdp/fully_shard.h"
+#include "hsdp/models/gpt.h"
 #include "hsdp/v1/schedule.pb.h"
-#include "worker/comm/device_mesh.h"
 #include "worker/comm/store/in_memory_store.h"
 #include "worker/fsdp/collectives.h"
-#include "worker/fsdp/fully_shard.h"
 #include "worker/fsdp/planner_units.h"
 #include "worker/fsdp/trace_recorder.h"
 #include "worker/fsdp/unit_group.h"
-#include "worker/models/gpt.h"
 #include "worker/models/gpt_setup.h"
 
 namespace hsdp::fsdp {
@@ -230,7 +230,7 @@ void MemoryRatio(const models::GptConfig& config, const Flags& flags,
     sharded.optimizer->step();
     const EngineStats stats = sharded.engine->Stats();
     int64_t numel = 0, largest_unit = 0;
-    for (const UnitInfo& u : sharded.engine->Units()) {
+    for (const UnitLayout& u : sharded.engine->Units()) {
       numel += u.numel;
       largest_unit = std::max(largest_unit, u.unsharded_bytes);
     }

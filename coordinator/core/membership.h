@@ -92,9 +92,9 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/clock.h"
-#include "common/mesh.h"
 #include "common/units.h"
 #include "coordinator/core/membership_types.h"
+#include "hsdp/mesh.h"
 #include "hsdp/v1/common.pb.h"
 #include "hsdp/v1/coordinator_service.pb.h"
 

@@ -3,6 +3,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/mesh_proto.h"
 #include "coordinator/core/kv_store.h"
 #include "coordinator/core/membership.h"
 #include "coordinator/core/state_store.h"

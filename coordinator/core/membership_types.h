@@ -9,9 +9,9 @@
 #include <vector>
 
 #include "absl/time/time.h"
-#include "common/mesh.h"
 #include "common/units.h"
 #include "coordinator/core/generation_context.h"
+#include "hsdp/mesh.h"
 #include "hsdp/v1/common.pb.h"
 #include "hsdp/v1/control_service.pb.h"
 #include "hsdp/v1/coordinator_service.pb.h"

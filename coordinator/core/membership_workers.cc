@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/mesh_proto.h"
 #include "common/training_spec.h"
 #include "coordinator/core/generation_plan.h"
 #include "coordinator/core/membership.h"

@@ -10,12 +10,13 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
-#include "common/mesh.h"
+#include "common/mesh_proto.h"
 #include "common/status_util.h"
 #include "coordinator/core/membership.h"
 #include "coordinator/core/metrics.h"
 #include "coordinator/core/report_book.h"
 #include "coordinator/core/schedule_log.h"
+#include "hsdp/mesh.h"
 
 namespace hsdp::coordinator {
 namespace {

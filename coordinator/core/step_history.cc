@@ -26,7 +26,7 @@ void StepHistory::Record(const hsdp::v1::StepReport& report) {
   if (e.seen.size() <= rank) e.seen.resize(rank + 1, false);
   if (e.seen[rank]) return;
   e.seen[rank] = true;
-  StepPoint& p = e.point;
+  StepSample& p = e.point;
   ++p.ranks;
   e.loss_sum += report.loss();
   p.loss = e.loss_sum / p.ranks;
@@ -37,12 +37,12 @@ void StepHistory::Record(const hsdp::v1::StepReport& report) {
   while (entries_.size() > capacity_) entries_.pop_front();
 }
 
-std::vector<StepPoint> StepHistory::Since(int64_t after_step) const {
+std::vector<StepSample> StepHistory::Since(int64_t after_step) const {
   absl::MutexLock lock(&mu_);
   auto it = std::upper_bound(
       entries_.begin(), entries_.end(), after_step,
       [](int64_t step, const Entry& e) { return step < e.point.step; });
-  std::vector<StepPoint> points;
+  std::vector<StepSample> points;
   points.reserve(static_cast<size_t>(entries_.end() - it));
   for (; it != entries_.end(); ++it) points.push_back(it->point);
   return points;

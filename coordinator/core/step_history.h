@@ -15,7 +15,7 @@
 namespace hsdp::coordinator {
 
 // One step over the ranks that reported it so far.
-struct StepPoint {
+struct StepSample {
   int64_t step = 0;
   // Mean of the ranks' losses (each rank reports the loss of its own batch).
   double loss = 0;
@@ -45,7 +45,7 @@ class StepHistory {
   void Record(const hsdp::v1::StepReport& report) ABSL_LOCKS_EXCLUDED(mu_);
 
   // The points with step > `after_step`, in step order.
-  std::vector<StepPoint> Since(int64_t after_step) const
+  std::vector<StepSample> Since(int64_t after_step) const
       ABSL_LOCKS_EXCLUDED(mu_);
 
   // The most steps kept.
@@ -53,7 +53,7 @@ class StepHistory {
 
  private:
   struct Entry {
-    StepPoint point;
+    StepSample point;
     double loss_sum = 0;
     std::vector<bool> seen;  // by rank
   };

@@ -15,7 +15,6 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "common/mesh.h"
 #include "common/status_util.h"
 #include "common/units.h"
 #include "coordinator/core/core_events.h"
@@ -27,6 +26,7 @@
 #include "coordinator/core/trace_collector.h"
 #include "coordinator/service/grpc_status.h"
 #include "coordinator/service/schedule_feed.h"
+#include "hsdp/mesh.h"
 
 namespace hsdp::coordinator {
 namespace {

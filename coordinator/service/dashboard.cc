@@ -15,7 +15,6 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
-#include "common/mesh.h"
 #include "common/policy.h"
 #include "coordinator/core/membership.h"
 #include "coordinator/core/metrics.h"
@@ -23,6 +22,7 @@
 #include "coordinator/core/schedule_log.h"
 #include "coordinator/service/dashboard.pb.h"
 #include "coordinator/service/web/web_assets.h"
+#include "hsdp/mesh.h"
 
 namespace hsdp::coordinator {
 namespace {
@@ -246,7 +246,7 @@ HttpResponse Dashboard::GetState(const HttpRequest& request) const {
   }
   FillUnits(core_, workers, state.policy(), &state);
   *state.mutable_workers() = std::move(*workers.mutable_workers());
-  for (const StepPoint& p : core_.metrics->history().Since(since)) {
+  for (const StepSample& p : core_.metrics->history().Since(since)) {
     dash::StepPoint* point = state.add_history();
     point->set_step(p.step);
     point->set_loss(p.loss);

@@ -44,12 +44,12 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "common/mesh.h"
 #include "common/token.h"
 #include "deploy/launch/cluster.h"
 #include "deploy/launch/coordinator_status.h"
 #include "deploy/launch/launch_options.h"
 #include "deploy/launch/progress.h"
+#include "hsdp/mesh.h"
 
 namespace hsdp::launch {
 namespace {

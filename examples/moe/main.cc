@@ -1,8 +1,8 @@
 // moe-worker: an hsdp worker binary for the example mixture of experts. It
 // takes every hsdp-worker flag (WorkerMain), so hsdp-launch runs it with
 // --worker-binary, and --reference trains it unsharded in this process.
+#include "hsdp/worker_main.h"
 #include "moe_task.h"
-#include "worker/train/worker_main.h"
 
 int main(int argc, char** argv) {
   return hsdp::train::WorkerMain(

@@ -11,7 +11,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "worker/train/task_util.h"
+#include "hsdp/task_util.h"
 
 namespace moe {
 namespace {

@@ -38,8 +38,8 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "worker/train/task.h"
-#include "worker/train/unit.h"
+#include "hsdp/task.h"
+#include "hsdp/unit.h"
 
 namespace moe {
 

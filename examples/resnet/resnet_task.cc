@@ -5,7 +5,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "worker/train/task_util.h"
+#include "hsdp/task_util.h"
 
 namespace resnet {
 namespace {

@@ -20,10 +20,10 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "hsdp/task.h"
+#include "hsdp/task_options.h"
+#include "hsdp/unit.h"
 #include "resnet.h"
-#include "worker/train/task.h"
-#include "worker/train/task_options.h"
-#include "worker/train/unit.h"
 
 namespace resnet {
 

@@ -1,6 +1,8 @@
-#include "common/mesh.h"
+#include "hsdp/mesh.h"
 
 #include <gtest/gtest.h>
+
+#include "common/mesh_proto.h"
 
 namespace hsdp {
 namespace {

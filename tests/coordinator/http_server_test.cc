@@ -187,7 +187,7 @@ TEST(StepHistoryTest, OnePointPerStepAcrossRanks) {
   history.Record(Report(1, 3, 3.0, 0.75));
   // A rank's second report of a step (trained again) does not count twice.
   history.Record(Report(1, 3, 9.0, 9.0));
-  std::vector<StepPoint> points = history.Since(-1);
+  std::vector<StepSample> points = history.Since(-1);
   ASSERT_EQ(points.size(), 1u);
   EXPECT_EQ(points[0].step, 3);
   EXPECT_DOUBLE_EQ(points[0].loss, 2.5);
@@ -203,12 +203,12 @@ TEST(StepHistoryTest, KeepsTheNewestStepsInOrder) {
     history.Record(Report(0, step, static_cast<double>(step), 0.1));
   }
   std::vector<int64_t> steps;
-  for (const StepPoint& p : history.Since(-1)) steps.push_back(p.step);
+  for (const StepSample& p : history.Since(-1)) steps.push_back(p.step);
   EXPECT_EQ(steps, (std::vector<int64_t>{4, 5, 6, 7}));
   // Older than the window: dropped, not inserted.
   history.Record(Report(0, 1, 1.0, 0.1));
   steps.clear();
-  for (const StepPoint& p : history.Since(5)) steps.push_back(p.step);
+  for (const StepSample& p : history.Since(5)) steps.push_back(p.step);
   EXPECT_EQ(steps, (std::vector<int64_t>{6, 7}));
   EXPECT_EQ(history.Since(-1).size(), 4u);
   EXPECT_TRUE(history.Since(7).empty());

@@ -14,8 +14,8 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
+#include "hsdp/runner.h"
 #include "tests/worker/train/task_cluster.h"
-#include "worker/train/runner.h"
 #include "worker/train/task_units.h"
 #include "worker/train/training_options.h"
 
@@ -116,7 +116,7 @@ TEST(MoeTaskTest, BiasesAreReplicatedAndTheRouterShardedOnDim1) {
   std::unique_ptr<hsdp::train::Task> task = MakeTask();
   ASSERT_TRUE(task->Build(hsdp::train::BuildContext{c10::kCPU, kSeed}).ok());
   const MoeConfig config;
-  absl::StatusOr<std::vector<hsdp::fsdp::UnitInfo>> units =
+  absl::StatusOr<std::vector<hsdp::fsdp::UnitLayout>> units =
       hsdp::train::DescribeTaskUnits(*task, hsdp::fsdp::EngineOptions());
   ASSERT_TRUE(units.ok()) << units.status();
   ASSERT_EQ(units->size(), static_cast<size_t>(config.layers + 1));

@@ -28,9 +28,9 @@
 #include "absl/strings/str_cat.h"
 #include "coordinator/server.h"
 #include "gtest/gtest.h"
+#include "hsdp/runner.h"
 #include "hsdp/v1/control_service.grpc.pb.h"
 #include "resnet_task.h"
-#include "worker/train/runner.h"
 
 namespace resnet {
 namespace {
@@ -88,8 +88,8 @@ class PoisonedTask : public hsdp::train::Task {
     return inner_->BuildUnit(index);
   }
   void ReleaseUnit(int index) override { inner_->ReleaseUnit(index); }
-  void Shard(hsdp::train::ShardContext& context) override {
-    inner_->Shard(context);
+  void SetShardContext(hsdp::train::ShardContext& context) override {
+    inner_->SetShardContext(context);
   }
   absl::StatusOr<Batch> GetBatch(const BatchRequest& request) override {
     absl::StatusOr<Batch> batch = inner_->GetBatch(request);

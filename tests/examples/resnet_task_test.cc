@@ -19,7 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "coordinator/server.h"
 #include "gtest/gtest.h"
-#include "worker/train/runner.h"
+#include "hsdp/runner.h"
 
 namespace resnet {
 namespace {

@@ -23,11 +23,11 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
+#include "hsdp/device_mesh.h"
+#include "hsdp/fully_shard.h"
 #include "tests/worker/fsdp/fsdp_test_util.h"
-#include "worker/comm/device_mesh.h"
 #include "worker/comm/nccl/nccl_communicator.h"
 #include "worker/comm/store/in_memory_store.h"
-#include "worker/fsdp/fully_shard.h"
 #ifdef HSDP_WITH_CUDA
 #include <c10/cuda/CUDAStream.h>
 #endif

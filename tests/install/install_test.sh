@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # hsdp as an installed package, from a user's point of view:
-#   1. `cmake --install` the build into a temporary prefix;
+#   1. `cmake --install` the build into a temporary prefix: the binaries, the libraries and the
+#      public tree include/hsdp/ only, which is self-contained;
 #   2. configure and build examples/resnet on its own, with find_package(hsdp) through
-#      CMAKE_PREFIX_PATH (nothing of the source tree's build on its include or link path);
+#      CMAKE_PREFIX_PATH (nothing of the source tree's build on its include or link path), and
+#      every public header in one translation unit, whose include trace holds no protobuf header;
 #   3. the installed hsdp-launch trains the resulting resnet-worker on a 2x2 mesh (--worker-binary);
 #   4. the same binary's --reference run trains the same global batches in one process, and every
 #      rank's loss of every step must match it within 1e-5;
@@ -44,16 +46,20 @@ cmake --install "$build" --prefix "$prefix" > "$scratch/install.log" \
   || { cat "$scratch/install.log" >&2; fail "cmake --install"; }
 for f in bin/hsdp-coordinator bin/hsdp-worker bin/hsdpctl bin/hsdp-launch \
          lib/cmake/hsdp/hsdpConfig.cmake lib/cmake/hsdp/hsdpConfigVersion.cmake \
-         lib/cmake/hsdp/hsdpTargets.cmake include/worker/train/task.h \
-         include/worker/train/runner.h include/worker/train/worker_main.h \
-         include/worker/fsdp/fully_shard.h; do
+         lib/cmake/hsdp/hsdpTargets.cmake include/hsdp/task.h include/hsdp/unit.h \
+         include/hsdp/runner.h include/hsdp/worker_main.h include/hsdp/fully_shard.h \
+         include/hsdp/device_mesh.h; do
   [[ -e "$prefix/$f" ]] || fail "$f not installed"
 done
-# The installed headers are self-contained: every project include they make is installed too.
+# Only the public tree is installed, and it is self-contained: every "..." include it makes is
+# another installed header (or Abseil's, which its API uses).
+others=$(find "$prefix/include" -mindepth 1 -maxdepth 1 ! -name hsdp)
+[[ -z "$others" ]] || fail "installed beside include/hsdp: $others"
+! find "$prefix/include" -name '*.pb.h' | grep -q . || fail "a generated .pb.h header is installed"
 grep -rhoE '^#include "[^"]+"' "$prefix/include" | sed -E 's/#include "(.*)"/\1/' | sort -u |
   while read -r inc; do
     case "$inc" in
-      absl/*|gtest/*|google/*|grpcpp/*|gloo/*) continue ;;
+      absl/*) continue ;;
     esac
     [[ -e "$prefix/include/$inc" ]] || fail "installed header includes $inc, which is not installed"
   done
@@ -83,6 +89,21 @@ if grep -F -- "$build" "$example_build/build.ninja" "$example_build/CMakeCache.t
   fail "the out-of-tree build refers to the source tree's build directory $build"
 fi
 t_built=$(date +%s)
+
+# Every public header in one translation unit, built against the installed package alone; the
+# compiler's include trace (-H) holds no protobuf header.
+headers_build=$scratch/public-headers-build
+configure_headers=(cmake -S "$src/tests/install/public_headers" -B "$headers_build"
+                   "${configure[@]:5}")
+"${configure_headers[@]}" > "$scratch/headers-configure.log" 2>&1 \
+  || { cat "$scratch/headers-configure.log" >&2; fail "configuring tests/install/public_headers"; }
+cmake --build "$headers_build" > "$scratch/headers-build.log" 2>&1 \
+  || { tail -n 40 "$scratch/headers-build.log" >&2; fail "the public headers do not compile alone"; }
+opened=$(grep -cE '^\.+ ' "$scratch/headers-build.log" || true)
+(( opened > 0 )) || fail "no include trace in $scratch/headers-build.log (is -H passed?)"
+protobuf=$(grep -E '^\.+ .*(google/protobuf/|\.pb\.h)' "$scratch/headers-build.log" || true)
+[[ -z "$protobuf" ]] \
+  || fail "the public headers pull in protobuf: $(printf '%s\n' "$protobuf" | head -n 3)"
 
 # --- 3. hsdp-launch on a 2x2 mesh -------------------------------------------------------------
 run_dir=$scratch/run

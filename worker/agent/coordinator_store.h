@@ -11,8 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "hsdp/store.h"
 #include "worker/agent/agent.h"
-#include "worker/comm/store/store.h"
 
 namespace hsdp::agent {
 

@@ -1,4 +1,4 @@
-#include "worker/comm/communicator.h"
+#include "hsdp/communicator.h"
 
 #include <utility>
 

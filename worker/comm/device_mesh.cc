@@ -1,4 +1,4 @@
-#include "worker/comm/device_mesh.h"
+#include "hsdp/device_mesh.h"
 
 #include <utility>
 

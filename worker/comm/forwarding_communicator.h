@@ -16,7 +16,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
-#include "worker/comm/communicator.h"
+#include "hsdp/communicator.h"
 
 namespace hsdp::comm {
 

@@ -23,7 +23,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "worker/comm/communicator.h"
+#include "hsdp/communicator.h"
 
 namespace hsdp::comm {
 

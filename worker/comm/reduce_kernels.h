@@ -8,7 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "worker/comm/communicator.h"
+#include "hsdp/communicator.h"
 
 namespace hsdp::comm {
 

@@ -25,7 +25,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
-#include "worker/comm/communicator.h"
+#include "hsdp/communicator.h"
 
 namespace hsdp::comm {
 

@@ -25,7 +25,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "worker/comm/communicator.h"
+#include "hsdp/communicator.h"
 
 namespace hsdp::fsdp {
 

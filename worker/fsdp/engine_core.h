@@ -15,9 +15,9 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "worker/comm/communicator.h"
+#include "hsdp/communicator.h"
+#include "hsdp/fully_shard.h"
 #include "worker/fsdp/flat_buffer_pool.h"
-#include "worker/fsdp/fully_shard.h"
 
 namespace hsdp::fsdp {
 

@@ -1,4 +1,4 @@
-#include "worker/fsdp/fully_shard.h"
+#include "hsdp/fully_shard.h"
 
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
@@ -9,7 +9,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "common/mesh.h"
+#include "hsdp/mesh.h"
 #include "hsdp/v1/common.pb.h"
 #include "hsdp/v1/schedule.pb.h"
 #include "worker/fsdp/engine_core.h"
@@ -431,8 +431,8 @@ UnitHandle& Engine::Unit(int index) {
 }
 int Engine::num_units() const { return static_cast<int>(core_->units.size()); }
 
-std::vector<UnitInfo> Engine::Units() const {
-  std::vector<UnitInfo> out;
+std::vector<UnitLayout> Engine::Units() const {
+  std::vector<UnitLayout> out;
   for (const auto& unit : core_->units) {
     if (unit != nullptr) out.push_back(unit->Info());
   }
@@ -498,12 +498,12 @@ at::Tensor Recompute(Engine& engine, const TensorFn& fn,
 EngineCore& CoreOf(Engine& engine) { return *engine.core_; }
 const EngineCore& CoreOf(const Engine& engine) { return *engine.core_; }
 
-UnitInfo DescribeUnit(
+UnitLayout DescribeUnit(
     const std::string& name,
     const std::vector<std::pair<std::string, at::Tensor>>& params,
     const EngineOptions& options, int shard_size,
     const PlacementFn& placement) {
-  UnitInfo info;
+  UnitLayout info;
   info.name = name;
   info.num_params = static_cast<int64_t>(params.size());
   for (const auto& [fqn, t] : params) {
@@ -537,7 +537,7 @@ UnitInfo DescribeUnit(
   return info;
 }
 
-hsdp::v1::UnitInfo ToProto(const UnitInfo& info) {
+hsdp::v1::UnitInfo ToProto(const UnitLayout& info) {
   hsdp::v1::UnitInfo out;
   out.set_name(info.name);
   out.set_param_count(info.numel);

@@ -19,7 +19,7 @@
 
 #include <vector>
 
-#include "worker/fsdp/fully_shard.h"
+#include "hsdp/fully_shard.h"
 
 namespace hsdp::fsdp {
 

@@ -36,7 +36,7 @@
 #include <memory>
 #include <optional>
 
-#include "worker/fsdp/fully_shard.h"
+#include "hsdp/fully_shard.h"
 
 namespace hsdp::fsdp {
 

@@ -12,7 +12,7 @@ hsdp::UnitList PlannerUnits(const Engine& engine) {
     element_size[name] = static_cast<int64_t>(shard.element_size());
   }
   hsdp::UnitList units;
-  for (const UnitInfo& info : engine.Units()) {
+  for (const UnitLayout& info : engine.Units()) {
     hsdp::v1::UnitInfo unit;
     unit.set_name(info.name);
     unit.set_param_count(info.numel);

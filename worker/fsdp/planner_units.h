@@ -5,7 +5,7 @@
 #define HSDP_WORKER_FSDP_PLANNER_UNITS_H_
 
 #include "common/units.h"
-#include "worker/fsdp/fully_shard.h"
+#include "hsdp/fully_shard.h"
 
 namespace hsdp::fsdp {
 

@@ -30,7 +30,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "worker/fsdp/placement.h"
+#include "hsdp/placement.h"
 
 namespace hsdp::fsdp {
 

@@ -7,8 +7,8 @@
 #include <set>
 
 #include "absl/strings/str_cat.h"
+#include "hsdp/fully_shard.h"
 #include "worker/fsdp/collectives.h"
-#include "worker/fsdp/fully_shard.h"
 #include "worker/fsdp/unit_group.h"
 
 namespace hsdp::fsdp {

@@ -8,7 +8,7 @@ namespace hsdp::fsdp {
 
 int64_t TraceRecorder::NowNanos() { return absl::GetCurrentTimeNanos(); }
 
-void TraceRecorder::Add(TraceSpan span) {
+void TraceRecorder::Add(RecordedSpan span) {
   absl::MutexLock lock(&mu_);
   if (spans_.size() >= kMaxSpans) {
     ++dropped_;
@@ -17,9 +17,9 @@ void TraceRecorder::Add(TraceSpan span) {
   spans_.push_back(std::move(span));
 }
 
-std::vector<TraceSpan> TraceRecorder::Take() {
+std::vector<RecordedSpan> TraceRecorder::Take() {
   absl::MutexLock lock(&mu_);
-  std::vector<TraceSpan> out;
+  std::vector<RecordedSpan> out;
   out.swap(spans_);
   return out;
 }

@@ -19,16 +19,16 @@ namespace hsdp::fsdp {
 
 // Collectives of one communicator run one at a time, so each gets its own
 // track and its spans never overlap; the two communicators do overlap.
-enum class TraceTrack {
+enum class SpanTrack {
   kCompute,        // the training thread (and autograd's, which it waits on)
   kShardComm,      // all-gathers and reduce-scatters in flight
   kReplicateComm,  // HSDP all-reduces in flight
 };
 
-struct TraceSpan {
+struct RecordedSpan {
   std::string name;
   std::string unit;  // empty for spans of the whole step
-  TraceTrack track = TraceTrack::kCompute;
+  SpanTrack track = SpanTrack::kCompute;
   int microbatch = -1;   // -1 for spans of the whole step
   int64_t begin_ns = 0;  // wall clock, ns since the Unix epoch
   int64_t end_ns = 0;
@@ -49,14 +49,14 @@ class TraceRecorder {
   // The clock spans are measured in.
   static int64_t NowNanos();
 
-  void Add(TraceSpan span);
+  void Add(RecordedSpan span);
   // The spans recorded since the last Take, in the order they were added.
-  std::vector<TraceSpan> Take();
+  std::vector<RecordedSpan> Take();
   int64_t dropped() const;
 
  private:
   mutable absl::Mutex mu_;
-  std::vector<TraceSpan> spans_ ABSL_GUARDED_BY(mu_);
+  std::vector<RecordedSpan> spans_ ABSL_GUARDED_BY(mu_);
   int64_t dropped_ ABSL_GUARDED_BY(mu_) = 0;
 };
 

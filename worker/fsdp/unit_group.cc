@@ -50,8 +50,7 @@ void UnitGroup::Check(const absl::Status& s) const {
 }
 
 void UnitGroup::WaitWork(std::unique_ptr<comm::Work>& work, double* seconds,
-                         const char* what, int64_t issued_ns,
-                         TraceTrack track) {
+                         const char* what, int64_t issued_ns, SpanTrack track) {
   TraceRecorder* const trace = core_->trace;
   const int64_t wait_begin = trace ? TraceRecorder::NowNanos() : 0;
   // Done before the wait: it ended no later than now.
@@ -64,7 +63,7 @@ void UnitGroup::WaitWork(std::unique_ptr<comm::Work>& work, double* seconds,
   *seconds += work->ElapsedSeconds();
   if (trace != nullptr) {
     const int64_t wait_end = TraceRecorder::NowNanos();
-    Trace(absl::StrCat("wait ", what).c_str(), TraceTrack::kCompute, wait_begin,
+    Trace(absl::StrCat("wait ", what).c_str(), SpanTrack::kCompute, wait_begin,
           wait_end);
     // In flight from when it started (after the collectives queued before
     // it on the same communicator) to completion.
@@ -78,11 +77,11 @@ void UnitGroup::WaitWork(std::unique_ptr<comm::Work>& work, double* seconds,
   work.reset();
 }
 
-void UnitGroup::Trace(const char* name, TraceTrack track, int64_t begin_ns,
+void UnitGroup::Trace(const char* name, SpanTrack track, int64_t begin_ns,
                       int64_t end_ns) const {
   if (core_->trace == nullptr) return;
-  core_->trace->Add(TraceSpan{name, name_, track, core_->microbatch, begin_ns,
-                              std::max(begin_ns, end_ns)});
+  core_->trace->Add(RecordedSpan{name, name_, track, core_->microbatch,
+                                 begin_ns, std::max(begin_ns, end_ns)});
 }
 
 void UnitGroup::Unshard() {
@@ -181,7 +180,7 @@ void UnitGroup::WaitForUnshard() {
 void UnitGroup::CompleteAllGather() {
   if (all_gather_.work) {
     WaitWork(all_gather_.work, &stats_.all_gather_seconds, "all-gather",
-             all_gather_.issued_ns, TraceTrack::kShardComm);
+             all_gather_.issued_ns, SpanTrack::kShardComm);
   }
   std::vector<ShardedParam*> params;
   for (UnitGroup* m : gathered_with_) {
@@ -252,7 +251,7 @@ void UnitGroup::PostForward() {
   if (reshard_after_forward && core_->recompute_depth == 0) Reshard();
   if (core_->trace != nullptr) {
     Trace(core_->recompute_depth > 0 ? "recompute" : "forward",
-          TraceTrack::kCompute, forward_begin_ns_, TraceRecorder::NowNanos());
+          SpanTrack::kCompute, forward_begin_ns_, TraceRecorder::NowNanos());
   }
 }
 
@@ -294,7 +293,7 @@ void UnitGroup::FinishBackward() {
   post_backward_done = true;
   if (core_->trace != nullptr) {
     // From this unit's pre-backward to its gradients being ready.
-    Trace("backward", TraceTrack::kCompute,
+    Trace("backward", SpanTrack::kCompute,
           pre_backward_done ? backward_begin_ns_ : TraceRecorder::NowNanos(),
           TraceRecorder::NowNanos());
   }
@@ -371,7 +370,7 @@ int64_t UnitGroup::FlatBufferBytes() const {
   return (core_->shard_size() * chunk + replicated) * elem;
 }
 
-UnitInfo UnitGroup::Info() const {
+UnitLayout UnitGroup::Info() const {
   std::vector<std::pair<std::string, at::Tensor>> params;
   for (const auto& p : params_) {
     // A meta tensor of the parameter's global shape and master dtype: what

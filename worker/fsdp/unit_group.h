@@ -52,10 +52,10 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "worker/comm/communicator.h"
+#include "hsdp/communicator.h"
+#include "hsdp/fully_shard.h"
 #include "worker/fsdp/collectives.h"
 #include "worker/fsdp/engine_core.h"
-#include "worker/fsdp/fully_shard.h"
 #include "worker/fsdp/sharded_param.h"
 #include "worker/fsdp/trace_recorder.h"
 
@@ -147,7 +147,7 @@ class UnitGroup {
 
   // Bytes of the flat buffers one collective of this unit uses (pool limit).
   int64_t FlatBufferBytes() const;
-  UnitInfo Info() const;
+  UnitLayout Info() const;
   UnitStats Stats() const;
   void ResetStats();
 
@@ -221,11 +221,11 @@ class UnitGroup {
   // time to `seconds` and, when tracing, records the wait on the compute
   // track and the collective on `track`. Fails the engine on an error.
   void WaitWork(std::unique_ptr<comm::Work>& work, double* seconds,
-                const char* what, int64_t issued_ns, TraceTrack track);
+                const char* what, int64_t issued_ns, SpanTrack track);
   // Fails the engine with `s` unless it is OK.
   void Check(const absl::Status& s) const;
   // Records a span of this unit, when tracing.
-  void Trace(const char* name, TraceTrack track, int64_t begin_ns,
+  void Trace(const char* name, SpanTrack track, int64_t begin_ns,
              int64_t end_ns) const;
 
   EngineCore* core_;

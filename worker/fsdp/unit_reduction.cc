@@ -117,7 +117,7 @@ void UnitGroup::FinishReduction() {
   if (reduce_scatter_.work) {
     WaitWork(reduce_scatter_.work, &stats_.reduce_scatter_seconds,
              "reduce-scatter", reduce_scatter_.issued_ns,
-             TraceTrack::kShardComm);
+             SpanTrack::kShardComm);
   }
   // The peers' contributions are summed: their scratch can go now.
   core_->buffers.Release(reduce_scatter_.scratch);
@@ -198,7 +198,7 @@ bool UnitGroup::ReduceAcrossReplicas(const at::Tensor& reduced,
   std::unique_ptr<comm::Work> work =
       core_->mesh.replicate->AllReduce(*buffer, core_->collective_reduce_op());
   WaitWork(work, &stats_.all_reduce_seconds, "all-reduce", issued,
-           TraceTrack::kReplicateComm);
+           SpanTrack::kReplicateComm);
   return true;
 }
 
@@ -206,7 +206,7 @@ void UnitGroup::FinishReplicatedAllReduce() {
   ReplicatedAllReduceState& ar = replicated_all_reduce_;
   if (ar.work) {
     WaitWork(ar.work, &stats_.all_reduce_seconds, "all-reduce", ar.issued_ns,
-             TraceTrack::kShardComm);
+             SpanTrack::kShardComm);
   }
   at::NoGradGuard no_grad;
   if (core_->replicate_size() > 1 &&

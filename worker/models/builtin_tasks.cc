@@ -1,9 +1,9 @@
-#include "worker/models/builtin_tasks.h"
+#include "hsdp/models/builtin_tasks.h"
 
 #include <utility>
 
 #include "absl/strings/match.h"
-#include "worker/models/gpt_task.h"
+#include "hsdp/models/gpt_task.h"
 #include "worker/models/torchscript_task.h"
 
 namespace hsdp::models {

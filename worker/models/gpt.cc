@@ -1,4 +1,4 @@
-#include "worker/models/gpt.h"
+#include "hsdp/models/gpt.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/nn/functional/loss.h>

@@ -7,8 +7,8 @@
 #include <memory>
 
 #include "absl/status/statusor.h"
-#include "worker/fsdp/fully_shard.h"
-#include "worker/models/gpt.h"
+#include "hsdp/fully_shard.h"
+#include "hsdp/models/gpt.h"
 
 namespace hsdp::models {
 

@@ -1,4 +1,4 @@
-#include "worker/models/gpt_task.h"
+#include "hsdp/models/gpt_task.h"
 
 #include <utility>
 

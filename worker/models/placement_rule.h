@@ -16,7 +16,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "worker/fsdp/placement.h"
+#include "hsdp/placement.h"
 
 namespace hsdp::models {
 

@@ -1,4 +1,4 @@
-#include "worker/models/token_dataset.h"
+#include "hsdp/models/token_dataset.h"
 
 #include <ATen/ATen.h>
 #include <fcntl.h>

@@ -61,8 +61,8 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "worker/models/token_dataset.h"
-#include "worker/train/task.h"
+#include "hsdp/models/token_dataset.h"
+#include "hsdp/task.h"
 
 namespace hsdp::models {
 
@@ -90,7 +90,9 @@ class TorchScriptTask : public train::Task {
   std::shared_ptr<torch::nn::Module> Model() override { return mirror_; }
   int NumUnits() const override { return static_cast<int>(unit_names_.size()); }
   absl::StatusOr<train::UnitSpec> BuildUnit(int index) override;
-  void Shard(train::ShardContext& context) override { units_ = &context; }
+  void SetShardContext(train::ShardContext& context) override {
+    units_ = &context;
+  }
   absl::StatusOr<train::Batch> GetBatch(
       const train::BatchRequest& request) override;
   absl::StatusOr<at::Tensor> Loss(const train::Batch& batch) override;

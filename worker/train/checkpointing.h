@@ -21,9 +21,9 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "hsdp/device_mesh.h"
+#include "hsdp/fully_shard.h"
 #include "worker/ckpt/saver.h"
-#include "worker/comm/device_mesh.h"
-#include "worker/fsdp/fully_shard.h"
 
 namespace hsdp::train {
 

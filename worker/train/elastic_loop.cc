@@ -154,7 +154,7 @@ absl::Status ElasticLoop::Start() {
   ao.hostname = Hostname();
   ao.device = o_.device;
   ao.model = task_->Name();
-  for (const fsdp::UnitInfo& u : units_) ao.units.push_back(fsdp::ToProto(u));
+  for (const fsdp::UnitLayout& u : units_) ao.units.push_back(fsdp::ToProto(u));
   spec_ = ToProto(t_, o_.task_args, task_->Name(), task_->Version());
   ao.training = spec_;
   ao.retry_budget = o_.coordinator_timeout;
@@ -298,7 +298,7 @@ absl::Status ElasticLoop::Enter(const Generation& g) {
     units_context_ = std::make_unique<EngineShardContext>(
         *engine_, RecomputeFlags(t_.recompute_units, units_));
     unit_bindings_.Bind(std::move(bindings), units_context_.get());
-    task_->Shard(*units_context_);
+    task_->SetShardContext(*units_context_);
     opt_ = MakeOptimizer(*task_, t_, engine_->Parameters());
   } else {
     // Keeps the shards and the optimizer state; drops the interrupted step.

@@ -16,8 +16,8 @@
 #include <memory>
 
 #include "absl/status/status.h"
-#include "worker/train/runner.h"
-#include "worker/train/task.h"
+#include "hsdp/runner.h"
+#include "hsdp/task.h"
 
 namespace hsdp::train {
 

@@ -14,17 +14,17 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "hsdp/device_mesh.h"
+#include "hsdp/fully_shard.h"
+#include "hsdp/runner.h"
+#include "hsdp/task.h"
 #include "hsdp/v1/schedule.pb.h"
 #include "worker/agent/agent.h"
 #include "worker/agent/coordinator_store.h"
-#include "worker/comm/device_mesh.h"
-#include "worker/fsdp/fully_shard.h"
 #include "worker/train/checkpointing.h"
 #include "worker/train/optimizer.h"
 #include "worker/train/report_file.h"
-#include "worker/train/runner.h"
 #include "worker/train/step_trace.h"
-#include "worker/train/task.h"
 #include "worker/train/unit_entry.h"
 
 namespace hsdp::train::internal {
@@ -153,7 +153,7 @@ class ElasticLoop {
   const TrainingOptions& t_;
   const c10::Device device_;
   fsdp::EngineOptions engine_options_;
-  std::vector<fsdp::UnitInfo> units_;
+  std::vector<fsdp::UnitLayout> units_;
   CheckpointingOptions checkpointing_options_;
   std::unique_ptr<agent::Agent> agent_;
   ReportFile report_file_;

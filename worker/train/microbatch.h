@@ -13,8 +13,8 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "worker/train/runner.h"
-#include "worker/train/task.h"
+#include "hsdp/runner.h"
+#include "hsdp/task.h"
 
 namespace hsdp::train {
 

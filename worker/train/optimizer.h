@@ -9,8 +9,8 @@
 #include <memory>
 #include <vector>
 
-#include "worker/train/runner.h"
-#include "worker/train/task.h"
+#include "hsdp/runner.h"
+#include "hsdp/task.h"
 
 namespace hsdp::train {
 

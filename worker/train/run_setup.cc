@@ -60,7 +60,7 @@ fsdp::EngineOptions EngineOptionsFor(const TrainingOptions& t,
 
 // Per task unit: recompute on, from the --recompute-units glob.
 std::vector<bool> RecomputeFlags(const std::string& glob,
-                                 const std::vector<fsdp::UnitInfo>& units) {
+                                 const std::vector<fsdp::UnitLayout>& units) {
   std::vector<bool> flags;
   for (size_t i = 1; i < units.size(); ++i)
     flags.push_back(!glob.empty() && GlobMatch(glob, units[i].name));

@@ -12,8 +12,8 @@
 #include <string>
 #include <vector>
 
-#include "worker/fsdp/fully_shard.h"
-#include "worker/train/runner.h"
+#include "hsdp/fully_shard.h"
+#include "hsdp/runner.h"
 
 namespace hsdp::train {
 
@@ -28,7 +28,7 @@ fsdp::EngineOptions EngineOptionsFor(const TrainingOptions& t,
 
 // Per task unit (units[1..]): recompute on, from the --recompute-units glob.
 std::vector<bool> RecomputeFlags(const std::string& glob,
-                                 const std::vector<fsdp::UnitInfo>& units);
+                                 const std::vector<fsdp::UnitLayout>& units);
 
 }  // namespace hsdp::train
 

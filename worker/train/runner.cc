@@ -1,4 +1,4 @@
-#include "worker/train/runner.h"
+#include "hsdp/runner.h"
 
 #include <glog/logging.h>
 #include <torch/torch.h>
@@ -90,7 +90,7 @@ absl::Status TrainReference(std::unique_ptr<Task> task,
   DirectShardContext units_context(units);
   UnitBindings unit_bindings;
   unit_bindings.Bind(std::move(bindings), &units_context);
-  task->Shard(units_context);
+  task->SetShardContext(units_context);
   std::vector<at::Tensor> params;
   for (const auto& [name, p] : UniqueNamedParameters(*task->Model()))
     params.push_back(p);

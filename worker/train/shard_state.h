@@ -15,7 +15,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "worker/comm/communicator.h"
+#include "hsdp/communicator.h"
 #include "worker/comm/heal.h"
 
 namespace hsdp::train {

@@ -3,13 +3,13 @@
 namespace hsdp::train {
 namespace {
 
-hsdp::v1::TraceTrack ToProto(fsdp::TraceTrack track) {
+hsdp::v1::TraceTrack ToProto(fsdp::SpanTrack track) {
   switch (track) {
-    case fsdp::TraceTrack::kShardComm:
+    case fsdp::SpanTrack::kShardComm:
       return hsdp::v1::TRACE_TRACK_SHARD_COMM;
-    case fsdp::TraceTrack::kReplicateComm:
+    case fsdp::SpanTrack::kReplicateComm:
       return hsdp::v1::TRACE_TRACK_REPLICATE_COMM;
-    case fsdp::TraceTrack::kCompute:
+    case fsdp::SpanTrack::kCompute:
       break;
   }
   return hsdp::v1::TRACE_TRACK_COMPUTE;
@@ -28,14 +28,14 @@ StepTrace::~StepTrace() {
 
 void StepTrace::Add(const char* name, int64_t begin_nanos, int64_t end_nanos) {
   if (!enabled_) return;
-  recorder_.Add(fsdp::TraceSpan{name, "", fsdp::TraceTrack::kCompute, -1,
-                                begin_nanos, end_nanos});
+  recorder_.Add(fsdp::RecordedSpan{name, "", fsdp::SpanTrack::kCompute, -1,
+                                   begin_nanos, end_nanos});
 }
 
 void StepTrace::AttachTo(hsdp::v1::StepReport& report,
                          const std::optional<agent::ClockOffset>& offset) {
   if (!enabled_) return;
-  for (fsdp::TraceSpan& span : recorder_.Take()) {
+  for (fsdp::RecordedSpan& span : recorder_.Take()) {
     hsdp::v1::TraceSpan* out = report.add_trace();
     out->set_name(std::move(span.name));
     out->set_unit(std::move(span.unit));

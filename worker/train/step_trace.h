@@ -7,9 +7,9 @@
 #include <cstdint>
 #include <optional>
 
+#include "hsdp/fully_shard.h"
 #include "hsdp/v1/common.pb.h"
 #include "worker/agent/clock_offset.h"
-#include "worker/fsdp/fully_shard.h"
 #include "worker/fsdp/trace_recorder.h"
 
 namespace hsdp::train {

@@ -1,4 +1,4 @@
-#include "worker/train/task.h"
+#include "hsdp/task.h"
 
 #include <torch/optim/optimizer.h>
 

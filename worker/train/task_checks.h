@@ -12,7 +12,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
-#include "worker/train/task.h"
+#include "hsdp/task.h"
 
 namespace torch::nn {
 class Module;

@@ -1,4 +1,4 @@
-#include "worker/train/task_options.h"
+#include "hsdp/task_options.h"
 
 #include <algorithm>
 #include <cmath>

@@ -61,7 +61,7 @@ std::vector<std::pair<std::string, at::Tensor>> UnitParameters(
   return out;
 }
 
-bool SameUnit(const fsdp::UnitInfo& a, const fsdp::UnitInfo& b) {
+bool SameUnit(const fsdp::UnitLayout& a, const fsdp::UnitLayout& b) {
   return a.name == b.name && a.numel == b.numel && a.bytes == b.bytes &&
          a.replicated_bytes == b.replicated_bytes &&
          a.param_names == b.param_names;
@@ -87,13 +87,13 @@ std::vector<std::pair<std::string, at::Tensor>> UniqueNamedParameters(
   return out;
 }
 
-absl::StatusOr<std::vector<fsdp::UnitInfo>> DescribeTaskUnits(
+absl::StatusOr<std::vector<fsdp::UnitLayout>> DescribeTaskUnits(
     Task& task, const fsdp::EngineOptions& options) {
   std::shared_ptr<torch::nn::Module> root = task.Model();
   if (root == nullptr) {
     return absl::InvalidArgumentError("Task::Model() returned null");
   }
-  std::vector<fsdp::UnitInfo> units;
+  std::vector<fsdp::UnitLayout> units;
   std::set<std::string> unit_names;
   std::set<std::string> claimed;
   for (int i = 0; i < task.NumUnits(); ++i) {
@@ -118,7 +118,7 @@ absl::StatusOr<std::vector<fsdp::UnitInfo>> DescribeTaskUnits(
 
 absl::StatusOr<std::unique_ptr<fsdp::Engine>> ShardTask(
     Task& task, fsdp::MeshComms comms, const fsdp::EngineOptions& options,
-    const std::vector<fsdp::UnitInfo>& described,
+    const std::vector<fsdp::UnitLayout>& described,
     std::vector<std::shared_ptr<UnitBinding>>* bindings) {
   if (bindings != nullptr) bindings->clear();
   std::shared_ptr<torch::nn::Module> root = task.Model();
@@ -140,7 +140,7 @@ absl::StatusOr<std::unique_ptr<fsdp::Engine>> ShardTask(
   fsdp::UnitOptions root_options;
   root_options.placement = PlacementOf(task);
   HSDP_RETURN_IF_ERROR(engine->FullyShardRoot(root_options));
-  const std::vector<fsdp::UnitInfo> built = engine->Units();
+  const std::vector<fsdp::UnitLayout> built = engine->Units();
   bool same = built.size() == described.size();
   for (size_t i = 0; same && i < built.size(); ++i)
     same = SameUnit(built[i], described[i]);

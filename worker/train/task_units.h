@@ -9,8 +9,8 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "worker/fsdp/fully_shard.h"
-#include "worker/train/task.h"
+#include "hsdp/fully_shard.h"
+#include "hsdp/task.h"
 
 namespace hsdp::train {
 
@@ -22,7 +22,7 @@ std::vector<std::pair<std::string, at::Tensor>> UniqueNamedParameters(
 // The job's unit list as the engine will build it: root first, then the
 // task's units. Builds each unit, describes it (fsdp::DescribeUnit) and
 // releases it, so only one unit's full parameters exist at a time.
-absl::StatusOr<std::vector<fsdp::UnitInfo>> DescribeTaskUnits(
+absl::StatusOr<std::vector<fsdp::UnitLayout>> DescribeTaskUnits(
     Task& task, const fsdp::EngineOptions& options);
 
 // Creates the engine over task.Model(), then builds, moves to `options.device`
@@ -33,7 +33,7 @@ absl::StatusOr<std::vector<fsdp::UnitInfo>> DescribeTaskUnits(
 // task gave none), for UnitBindings::Bind.
 absl::StatusOr<std::unique_ptr<fsdp::Engine>> ShardTask(
     Task& task, fsdp::MeshComms comms, const fsdp::EngineOptions& options,
-    const std::vector<fsdp::UnitInfo>& described,
+    const std::vector<fsdp::UnitLayout>& described,
     std::vector<std::shared_ptr<UnitBinding>>* bindings = nullptr);
 
 // Builds every unit (nothing sharded) and moves the model to `device`: the

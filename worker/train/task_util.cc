@@ -1,4 +1,4 @@
-#include "worker/train/task_util.h"
+#include "hsdp/task_util.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/nn/module.h>

@@ -9,8 +9,8 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "hsdp/runner.h"
 #include "hsdp/v1/common.pb.h"
-#include "worker/train/runner.h"
 
 namespace hsdp::train {
 

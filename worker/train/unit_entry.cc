@@ -35,7 +35,7 @@ at::Tensor EngineShardContext::Forward(int unit, const at::Tensor& input,
 }
 
 std::vector<at::Tensor> EngineShardContext::Forward(
-    int unit, const std::vector<at::Tensor>& inputs, const UnitListFn& fn) {
+    int unit, const std::vector<at::Tensor>& inputs, const UnitTensorsFn& fn) {
   return Handle(unit).Forward(inputs, fn);
 }
 
@@ -85,7 +85,7 @@ at::Tensor DirectShardContext::Forward(int unit, const at::Tensor& input,
 }
 
 std::vector<at::Tensor> DirectShardContext::Forward(
-    int unit, const std::vector<at::Tensor>& inputs, const UnitListFn& fn) {
+    int unit, const std::vector<at::Tensor>& inputs, const UnitTensorsFn& fn) {
   Enter(unit);
   return fn(inputs);
 }

@@ -10,8 +10,8 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "worker/fsdp/fully_shard.h"
-#include "worker/train/task.h"
+#include "hsdp/fully_shard.h"
+#include "hsdp/task.h"
 #include "worker/train/task_checks.h"
 
 namespace hsdp::train {
@@ -29,7 +29,7 @@ class EngineShardContext : public ShardContext {
                      const UnitFn& fn) override;
   std::vector<at::Tensor> Forward(int unit,
                                   const std::vector<at::Tensor>& inputs,
-                                  const UnitListFn& fn) override;
+                                  const UnitTensorsFn& fn) override;
 
  private:
   fsdp::UnitHandle& Handle(int unit);
@@ -57,7 +57,7 @@ class DirectShardContext : public ShardContext {
                      const UnitFn& fn) override;
   std::vector<at::Tensor> Forward(int unit,
                                   const std::vector<at::Tensor>& inputs,
-                                  const UnitListFn& fn) override;
+                                  const UnitTensorsFn& fn) override;
 
   // A new forward (one Loss() call) begins: no unit entered yet.
   void BeginForward();

@@ -1,4 +1,4 @@
-#include "worker/train/worker_main.h"
+#include "hsdp/worker_main.h"
 
 #include <CLI/CLI.hpp>
 #include <csignal>
@@ -13,8 +13,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
-#include "worker/train/runner.h"
-#include "worker/train/task_options.h"
+#include "hsdp/runner.h"
+#include "hsdp/task_options.h"
 #include "worker/train/training_options.h"
 
 namespace hsdp::train {

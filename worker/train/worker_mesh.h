@@ -11,9 +11,9 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "worker/comm/device_mesh.h"
-#include "worker/comm/store/store.h"
-#include "worker/train/runner.h"
+#include "hsdp/device_mesh.h"
+#include "hsdp/runner.h"
+#include "hsdp/store.h"
 
 namespace hsdp::train {
 

@@ -16,10 +16,10 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
+#include "hsdp/device_mesh.h"
 #include "tests/coordinator/subprocess.h"
 #include "tests/worker/comm/comm_test_util.h"
 #include "tests/worker/comm/kill_test_ops.h"
-#include "worker/comm/device_mesh.h"
 #include "worker/comm/store/file_store.h"
 #include "worker/comm/store/in_memory_store.h"
 

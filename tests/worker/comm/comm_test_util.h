@@ -11,9 +11,9 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "hsdp/store.h"
 #include "worker/comm/gloo/gloo_communicator.h"
 #include "worker/comm/reduce_kernels.h"
-#include "worker/comm/store/store.h"
 
 namespace hsdp::comm::testing {
 

@@ -1,6 +1,6 @@
 // DeviceMesh: rank <-> (replicate, shard) arithmetic and real 2x2 groups over
 // loopback.
-#include "worker/comm/device_mesh.h"
+#include "hsdp/device_mesh.h"
 
 #include <vector>
 

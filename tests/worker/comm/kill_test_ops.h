@@ -10,10 +10,10 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "hsdp/store.h"
 #include "tests/worker/comm/comm_test_util.h"
 #include "worker/comm/gloo/gloo_communicator.h"
 #include "worker/comm/shm/shm_communicator.h"
-#include "worker/comm/store/store.h"
 
 namespace hsdp::comm::testing {
 

@@ -15,11 +15,11 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "hsdp/device_mesh.h"
+#include "hsdp/fully_shard.h"
 #include "tests/worker/fsdp/fsdp_test_util.h"
 #include "tests/worker/fsdp/recording_communicator.h"
-#include "worker/comm/device_mesh.h"
 #include "worker/comm/store/in_memory_store.h"
-#include "worker/fsdp/fully_shard.h"
 
 namespace hsdp::fsdp::testing {
 namespace {

@@ -11,9 +11,9 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "hsdp/fully_shard.h"
 #include "tests/worker/fsdp/fsdp_test_util.h"
 #include "worker/fsdp/collectives.h"
-#include "worker/fsdp/fully_shard.h"
 #include "worker/fsdp/sharded_param.h"
 
 namespace hsdp::fsdp::testing {
@@ -165,7 +165,7 @@ TEST(MemoryTest, ReshardAfterForwardFreesProcessMemory) {
       c.reshard_after_forward = reshard;
       TinyTransformer model = MakeModel(c.dims, init);
       std::unique_ptr<Engine> engine = MakeEngine(model, ctx.comms(), c);
-      std::vector<UnitInfo> units = engine->Units();
+      std::vector<UnitLayout> units = engine->Units();
       block_bytes = units[1].unsharded_bytes + units[2].unsharded_bytes;
       auto [tokens, targets] = Batch(c.dims, 0, ctx.rank * 2, 2);
       // Warm up first: one-time buffers (BLAS workspaces, pools) must not
@@ -310,8 +310,8 @@ TEST(EngineApiTest, FullyShardWrapperAndMixedPrecisionAccounting) {
     RunConfig bf16 = config;
     bf16.mixed_precision.param_dtype = torch::kBFloat16;
     std::unique_ptr<Engine> engine = MakeEngine(model, ctx.comms(), bf16);
-    const std::vector<UnitInfo> units = engine->Units();
-    for (const UnitInfo& u : units)
+    const std::vector<UnitLayout> units = engine->Units();
+    for (const UnitLayout& u : units)
       EXPECT_EQ(u.unsharded_bytes, u.numel * 2) << u.name;
     // Shards stay fp32 (the optimizer's master copy).
     for (const at::Tensor& p : engine->Parameters())

@@ -16,10 +16,10 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "hsdp/device_mesh.h"
+#include "hsdp/fully_shard.h"
+#include "hsdp/models/gpt.h"
 #include "tests/worker/fsdp/fsdp_test_util.h"
-#include "worker/comm/device_mesh.h"
-#include "worker/fsdp/fully_shard.h"
-#include "worker/models/gpt.h"
 #include "worker/models/gpt_setup.h"
 
 namespace hsdp::fsdp::testing {

@@ -11,8 +11,8 @@
 #include <iostream>
 #include <string>
 
+#include "hsdp/device_mesh.h"
 #include "tests/worker/fsdp/fsdp_test_util.h"
-#include "worker/comm/device_mesh.h"
 #include "worker/comm/store/file_store.h"
 
 namespace hsdp::fsdp::testing {

@@ -11,10 +11,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "hsdp/device_mesh.h"
+#include "hsdp/fully_shard.h"
+#include "hsdp/models/gpt.h"
 #include "tests/worker/fsdp/fsdp_test_util.h"
-#include "worker/comm/device_mesh.h"
-#include "worker/fsdp/fully_shard.h"
-#include "worker/models/gpt.h"
 #include "worker/models/gpt_setup.h"
 
 namespace hsdp::fsdp::testing {
@@ -373,7 +373,7 @@ TEST(MemoryTest, ShardedBytesPerRankAreOneOverSPlusPadding) {
               total_bytes + kShards * padding_bound);
     EXPECT_EQ(stats.unsharded_bytes_alive, 0);
     int64_t numel = 0;
-    for (const UnitInfo& u : engine->Units()) numel += u.numel;
+    for (const UnitLayout& u : engine->Units()) numel += u.numel;
     EXPECT_EQ(numel * 4, total_bytes);
     EXPECT_EQ(engine->Units()[0].name, "root");
     EXPECT_EQ(engine->Units()[1].name, "layers.0");
@@ -549,7 +549,7 @@ TEST(GptIntegrationTest, BlockRunnerUsageMatchesPlainTraining) {
     ASSERT_TRUE(sharded.ok()) << sharded.status();
     std::unique_ptr<Engine> engine = std::move(*sharded);
     std::vector<std::string> names;
-    for (const UnitInfo& u : engine->Units()) names.push_back(u.name);
+    for (const UnitLayout& u : engine->Units()) names.push_back(u.name);
     EXPECT_EQ(names, gpt->UnitNames());
     torch::optim::AdamW opt(engine->Parameters());
     RunConfig policy;

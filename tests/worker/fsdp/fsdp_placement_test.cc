@@ -27,8 +27,6 @@ constexpr int kGlobalBatch = 24;  // divides every world size x microbatches
 constexpr double kLr = 0.3;
 constexpr double kTolerance = 2e-6;
 
-using StepGrads = std::map<std::string, at::Tensor>;  // undefined: no grad
-
 using Runner =
     std::function<at::Tensor(int, const at::Tensor&, const TensorFn&)>;
 
@@ -39,7 +37,7 @@ struct Result {
   // gradient for it, defined or not.
   bool ranks_agree = true;
   EngineStats stats;  // global rank 0's
-  std::vector<UnitInfo> units;
+  std::vector<UnitLayout> units;
 };
 
 Result TrainReference(const StateDict& init) {
@@ -52,17 +50,11 @@ Result TrainReference(const StateDict& init) {
   for (int step = 0; step < kSteps; ++step) {
     auto [x, y] = PlacedBatch(step, 0, kGlobalBatch);
     PlacedLoss(model->forward(x, direct), y).backward();
-    StepGrads grads;
-    for (const auto& item : model->named_parameters()) {
-      const at::Tensor& g = item.value().grad();
-      grads[item.key()] = g.defined() ? g.detach().clone() : at::Tensor();
-    }
-    result.grads.push_back(std::move(grads));
+    result.grads.push_back(CloneGrads(*model));
     sgd.step();
     sgd.zero_grad();
   }
-  for (const auto& item : model->named_parameters())
-    result.params[item.key()] = item.value().detach().clone();
+  result.params = CloneParams(*model);
   return result;
 }
 
@@ -233,7 +225,7 @@ TEST(PlacementLayoutTest, ShardsAlongTheirDimAndReplicatesWhole) {
   std::mutex mu;
   std::map<int, std::map<std::string, ShardedTensor>> layouts;
   EngineStats stats;
-  std::vector<UnitInfo> units;
+  std::vector<UnitLayout> units;
   RunOnMesh({1, 3}, [&](RankContext& ctx) {
     PlacedModel model = MakePlacedModel(init);
     std::unique_ptr<Engine> engine =

@@ -363,4 +363,20 @@ bool BitwiseEqual(const StateDict& a, const StateDict& b) {
   return true;
 }
 
+StepGrads CloneGrads(torch::nn::Module& module) {
+  StepGrads grads;
+  for (const auto& item : module.named_parameters()) {
+    const at::Tensor& g = item.value().grad();
+    grads[item.key()] = g.defined() ? g.detach().clone() : at::Tensor();
+  }
+  return grads;
+}
+
+StateDict CloneParams(torch::nn::Module& module) {
+  StateDict params;
+  for (const auto& item : module.named_parameters())
+    params[item.key()] = item.value().detach().clone();
+  return params;
+}
+
 }  // namespace hsdp::fsdp::testing

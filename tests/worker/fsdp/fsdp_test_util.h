@@ -18,12 +18,12 @@
 
 #include "absl/time/time.h"
 #include "common/units.h"
+#include "hsdp/communicator.h"
+#include "hsdp/device_mesh.h"
+#include "hsdp/fully_shard.h"
 #include "hsdp/v1/policy.pb.h"
 #include "hsdp/v1/schedule.pb.h"
 #include "tests/worker/fsdp/recording_communicator.h"
-#include "worker/comm/communicator.h"
-#include "worker/comm/device_mesh.h"
-#include "worker/fsdp/fully_shard.h"
 
 namespace hsdp::fsdp::testing {
 
@@ -69,6 +69,13 @@ class TinyTransformerImpl : public torch::nn::Module {
 TORCH_MODULE(TinyTransformer);
 
 using StateDict = std::map<std::string, at::Tensor>;
+// One step's gradients by parameter name; an undefined tensor: no gradient.
+using StepGrads = std::map<std::string, at::Tensor>;
+
+// Clones of `module`'s current gradients (undefined where it has none), and of
+// its parameters.
+StepGrads CloneGrads(torch::nn::Module& module);
+StateDict CloneParams(torch::nn::Module& module);
 
 // Deterministic initial weights (seeded once, on the calling thread).
 StateDict MakeInitialState(const ModelDims& dims, uint64_t seed);

@@ -17,8 +17,8 @@ namespace hsdp::fsdp::testing {
 namespace {
 
 struct Traced {
-  std::vector<TraceSpan> spans;  // of the traced (second) step
-  EngineStats stats;             // of the same step
+  std::vector<RecordedSpan> spans;  // of the traced (second) step
+  EngineStats stats;                // of the same step
   std::vector<std::string> unit_names;
 };
 
@@ -53,7 +53,7 @@ Traced TraceStep(comm::MeshShape shape, RunConfig config) {
     if (ctx.rank == 0) {
       out.spans = recorder.Take();
       out.stats = engine->Stats();
-      for (const UnitInfo& u : engine->Units())
+      for (const UnitLayout& u : engine->Units())
         out.unit_names.push_back(u.name);
     }
   });
@@ -61,23 +61,23 @@ Traced TraceStep(comm::MeshShape shape, RunConfig config) {
 }
 
 int Count(const Traced& t, const std::string& name, const std::string& unit,
-          TraceTrack track) {
+          SpanTrack track) {
   return static_cast<int>(
-      std::count_if(t.spans.begin(), t.spans.end(), [&](const TraceSpan& s) {
+      std::count_if(t.spans.begin(), t.spans.end(), [&](const RecordedSpan& s) {
         return s.name == name && s.unit == unit && s.track == track;
       }));
 }
 
 // Two spans of one track either are disjoint or one contains the other.
-void ExpectNested(const Traced& t, TraceTrack track) {
-  std::vector<const TraceSpan*> spans;
-  for (const TraceSpan& s : t.spans) {
+void ExpectNested(const Traced& t, SpanTrack track) {
+  std::vector<const RecordedSpan*> spans;
+  for (const RecordedSpan& s : t.spans) {
     if (s.track == track) spans.push_back(&s);
   }
   for (size_t i = 0; i < spans.size(); ++i) {
     for (size_t j = i + 1; j < spans.size(); ++j) {
-      const TraceSpan& a = *spans[i];
-      const TraceSpan& b = *spans[j];
+      const RecordedSpan& a = *spans[i];
+      const RecordedSpan& b = *spans[j];
       const bool disjoint = a.end_ns <= b.begin_ns || b.end_ns <= a.begin_ns;
       const bool a_in_b = b.begin_ns <= a.begin_ns && a.end_ns <= b.end_ns;
       const bool b_in_a = a.begin_ns <= b.begin_ns && b.end_ns <= a.end_ns;
@@ -98,28 +98,28 @@ TEST(FsdpTraceTest, SpansMatchTheCollectivesIssuedPerUnit) {
   for (size_t u = 0; u < t.unit_names.size(); ++u) {
     const std::string& unit = t.unit_names[u];
     SCOPED_TRACE(unit);
-    EXPECT_EQ(Count(t, "forward", unit, TraceTrack::kCompute), 2);
-    EXPECT_EQ(Count(t, "backward", unit, TraceTrack::kCompute), 2);
-    EXPECT_EQ(Count(t, "all-gather", unit, TraceTrack::kShardComm),
+    EXPECT_EQ(Count(t, "forward", unit, SpanTrack::kCompute), 2);
+    EXPECT_EQ(Count(t, "backward", unit, SpanTrack::kCompute), 2);
+    EXPECT_EQ(Count(t, "all-gather", unit, SpanTrack::kShardComm),
               t.stats.units[u].all_gathers);
-    EXPECT_EQ(Count(t, "wait all-gather", unit, TraceTrack::kCompute),
+    EXPECT_EQ(Count(t, "wait all-gather", unit, SpanTrack::kCompute),
               t.stats.units[u].all_gathers);
-    EXPECT_EQ(Count(t, "reduce-scatter", unit, TraceTrack::kShardComm),
+    EXPECT_EQ(Count(t, "reduce-scatter", unit, SpanTrack::kShardComm),
               t.stats.units[u].reduce_scatters);
-    EXPECT_EQ(Count(t, "all-reduce", unit, TraceTrack::kReplicateComm),
+    EXPECT_EQ(Count(t, "all-reduce", unit, SpanTrack::kReplicateComm),
               t.stats.units[u].all_reduces);
     EXPECT_GT(t.stats.units[u].all_gathers, 0);
     EXPECT_EQ(t.stats.units[u].reduce_scatters, 2);
     EXPECT_EQ(t.stats.units[u].all_reduces, 2);
   }
-  for (const TraceSpan& s : t.spans) {
+  for (const RecordedSpan& s : t.spans) {
     EXPECT_LE(s.begin_ns, s.end_ns) << s.name;
     EXPECT_TRUE(s.microbatch == 0 || s.microbatch == 1) << s.name;
   }
-  ExpectNested(t, TraceTrack::kCompute);
+  ExpectNested(t, SpanTrack::kCompute);
   // One communicator runs one collective at a time.
-  ExpectNested(t, TraceTrack::kShardComm);
-  ExpectNested(t, TraceTrack::kReplicateComm);
+  ExpectNested(t, SpanTrack::kShardComm);
+  ExpectNested(t, SpanTrack::kReplicateComm);
 }
 
 TEST(FsdpTraceTest, EveryAllGatherWaitIsInsideItsUnitsCompute) {
@@ -127,11 +127,11 @@ TEST(FsdpTraceTest, EveryAllGatherWaitIsInsideItsUnitsCompute) {
   config.prefetch = 1;
   const Traced t = TraceStep({1, 2}, config);
   int waits = 0;
-  for (const TraceSpan& w : t.spans) {
+  for (const RecordedSpan& w : t.spans) {
     if (w.name != "wait all-gather") continue;
     ++waits;
     const bool inside =
-        std::any_of(t.spans.begin(), t.spans.end(), [&](const TraceSpan& s) {
+        std::any_of(t.spans.begin(), t.spans.end(), [&](const RecordedSpan& s) {
           return (s.name == "forward" || s.name == "backward") &&
                  s.unit == w.unit && s.begin_ns <= w.begin_ns &&
                  w.end_ns <= s.end_ns;
@@ -146,9 +146,9 @@ TEST(FsdpTraceTest, RecomputeIsTracedApartFromForward) {
   config.checkpoint = true;
   const Traced t = TraceStep({1, 2}, config);
   // Blocks run under Recompute: their forward runs again in backward.
-  EXPECT_EQ(Count(t, "recompute", "layers.0", TraceTrack::kCompute), 1);
-  EXPECT_EQ(Count(t, "forward", "layers.0", TraceTrack::kCompute), 1);
-  ExpectNested(t, TraceTrack::kCompute);
+  EXPECT_EQ(Count(t, "recompute", "layers.0", SpanTrack::kCompute), 1);
+  EXPECT_EQ(Count(t, "forward", "layers.0", SpanTrack::kCompute), 1);
+  ExpectNested(t, SpanTrack::kCompute);
 }
 
 TEST(FsdpTraceTest, NothingIsRecordedWithoutARecorder) {
@@ -171,7 +171,7 @@ TEST(FsdpTraceTest, NothingIsRecordedWithoutARecorder) {
 TEST(TraceRecorderTest, DropsPastTheCapAndCountsThem) {
   TraceRecorder recorder;
   for (size_t i = 0; i < TraceRecorder::kMaxSpans + 3; ++i) {
-    recorder.Add(TraceSpan{"x", "", TraceTrack::kCompute, 0, 1, 2});
+    recorder.Add(RecordedSpan{"x", "", SpanTrack::kCompute, 0, 1, 2});
   }
   EXPECT_EQ(recorder.Take().size(), TraceRecorder::kMaxSpans);
   EXPECT_EQ(recorder.dropped(), 3);

@@ -14,8 +14,8 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "hsdp/fully_shard.h"
 #include "tests/worker/fsdp/fsdp_test_util.h"
-#include "worker/fsdp/fully_shard.h"
 
 namespace hsdp::fsdp::testing {
 namespace {

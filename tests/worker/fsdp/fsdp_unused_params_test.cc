@@ -23,9 +23,9 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "hsdp/fully_shard.h"
 #include "tests/worker/fsdp/fsdp_test_util.h"
 #include "tests/worker/fsdp/recording_communicator.h"
-#include "worker/fsdp/fully_shard.h"
 
 namespace hsdp::fsdp::testing {
 namespace {
@@ -168,8 +168,6 @@ at::Tensor MoeLoss(const at::Tensor& logits, const at::Tensor& targets) {
   return torch::nn::functional::cross_entropy(logits, targets.reshape({-1}));
 }
 
-using StepGrads = std::map<std::string, at::Tensor>;  // undefined: no grad
-
 struct Result {
   std::vector<StepGrads> grads;
   StateDict params;
@@ -206,17 +204,11 @@ Result TrainReference(Shape shape, const StateDict& init) {
   for (int step = 0; step < kSteps; ++step) {
     auto [tokens, targets] = MoeBatch(step, 0, kGlobalBatch);
     MoeLoss(Forward(model, shape, tokens, direct), targets).backward();
-    StepGrads grads;
-    for (const auto& item : model->named_parameters()) {
-      const at::Tensor& g = item.value().grad();
-      grads[item.key()] = g.defined() ? g.detach().clone() : at::Tensor();
-    }
-    result.grads.push_back(std::move(grads));
+    result.grads.push_back(CloneGrads(*model));
     sgd.step();
     sgd.zero_grad();
   }
-  for (const auto& item : model->named_parameters())
-    result.params[item.key()] = item.value().detach().clone();
+  result.params = CloneParams(*model);
   return result;
 }
 

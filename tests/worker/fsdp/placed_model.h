@@ -18,7 +18,7 @@
 #include <string>
 #include <utility>
 
-#include "worker/fsdp/fully_shard.h"
+#include "hsdp/fully_shard.h"
 
 namespace hsdp::fsdp::testing {
 

@@ -25,8 +25,8 @@
 #include <string>
 #include <vector>
 
-#include "worker/comm/communicator.h"
-#include "worker/fsdp/fully_shard.h"
+#include "hsdp/communicator.h"
+#include "hsdp/fully_shard.h"
 
 namespace hsdp::fsdp::testing {
 

@@ -7,8 +7,8 @@
 #include <set>
 
 #include "gtest/gtest.h"
-#include "worker/models/gpt.h"
-#include "worker/models/token_dataset.h"
+#include "hsdp/models/gpt.h"
+#include "hsdp/models/token_dataset.h"
 
 namespace hsdp::models {
 namespace {

@@ -1,5 +1,5 @@
 // Token files: the accepted headers, sampling, and every refusal.
-#include "worker/models/token_dataset.h"
+#include "hsdp/models/token_dataset.h"
 
 #include <ATen/ATen.h>
 

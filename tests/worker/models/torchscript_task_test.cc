@@ -103,7 +103,7 @@ class RecordingContext : public train::ShardContext {
   }
   std::vector<at::Tensor> Forward(int unit,
                                   const std::vector<at::Tensor>& inputs,
-                                  const train::UnitListFn& fn) override {
+                                  const train::UnitTensorsFn& fn) override {
     entered.push_back(unit);
     return fn(inputs);
   }
@@ -146,7 +146,7 @@ TEST(TorchScriptTaskTest, LossIsTheScriptedForwardsAndEntersEachUnitOnce) {
   ASSERT_NE(task, nullptr);
   RecordingContext ctx;
   ctx.n = task->NumUnits();
-  task->Shard(ctx);
+  task->SetShardContext(ctx);
   absl::StatusOr<train::Batch> batch =
       task->GetBatch(train::BatchRequest{3, 0, 2, 5});
   ASSERT_TRUE(batch.ok()) << batch.status();
@@ -168,7 +168,7 @@ TEST(TorchScriptTaskTest, LossIsTheScriptedForwardsAndEntersEachUnitOnce) {
 std::map<std::string, at::Tensor> ReferenceGradients() {
   std::unique_ptr<TorchScriptTask> task = Load("gpt.pt");
   train::DirectShardContext ctx(task->NumUnits());
-  task->Shard(ctx);
+  task->SetShardContext(ctx);
   auto batch = task->GetBatch(
       train::BatchRequest{0, 0, kRanks * kSamplesPerRank, /*seed=*/9});
   EXPECT_TRUE(batch.ok());
@@ -216,7 +216,7 @@ TEST_P(ShardedGradientsTest, ReachTheShardsAndEqualTheUnshardedOnes) {
     ASSERT_TRUE(engine.ok()) << engine.status();
     train::EngineShardContext ctx(
         **engine, std::vector<bool>(task->NumUnits(), recompute));
-    task->Shard(ctx);
+    task->SetShardContext(ctx);
     const hsdp::v1::StepSchedule schedule =
         fsdp::testing::PlanSchedule(**engine, fsdp::testing::RunConfig{});
     ASSERT_TRUE((*engine)->Apply(schedule, 0).ok());
@@ -316,7 +316,7 @@ TEST_P(MoeGradientsTest, EqualPyTorchsOwnOnEveryMesh) {
     ASSERT_TRUE(engine.ok()) << engine.status();
     train::EngineShardContext ctx(**engine,
                                   std::vector<bool>(task->NumUnits(), false));
-    task->Shard(ctx);
+    task->SetShardContext(ctx);
     ASSERT_TRUE((*engine)
                     ->Apply(fsdp::testing::PlanSchedule(
                                 **engine, fsdp::testing::RunConfig{}),

@@ -1,6 +1,6 @@
 // The runner without a coordinator: the single-process reference over the
 // built-in GPT task, training options and their checks.
-#include "worker/train/runner.h"
+#include "hsdp/runner.h"
 
 #include <cmath>
 #include <cstdio>
@@ -12,9 +12,9 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "gtest/gtest.h"
-#include "worker/models/builtin_tasks.h"
+#include "hsdp/models/builtin_tasks.h"
+#include "hsdp/worker_main.h"
 #include "worker/train/training_options.h"
-#include "worker/train/worker_main.h"
 
 namespace hsdp::train {
 namespace {

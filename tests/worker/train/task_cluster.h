@@ -12,8 +12,8 @@
 
 #include "absl/status/status.h"
 #include "coordinator/server.h"
-#include "worker/train/runner.h"
-#include "worker/train/task.h"
+#include "hsdp/runner.h"
+#include "hsdp/task.h"
 
 namespace hsdp::train::testing {
 

@@ -1,4 +1,4 @@
-// The usage example of worker/train/task.h, compiled and trained: a task
+// The usage example of hsdp/task.h, compiled and trained: a task
 // written as that comment says builds against the public headers, trains
 // sharded on 1x2 under an in-process coordinator and matches its
 // single-process reference. task_example_in_sync checks that the code
@@ -11,11 +11,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
+#include "hsdp/runner.h"
+#include "hsdp/task.h"
+#include "hsdp/task_util.h"
+#include "hsdp/unit.h"
 #include "tests/worker/train/task_cluster.h"
-#include "worker/train/runner.h"
-#include "worker/train/task.h"
-#include "worker/train/task_util.h"
-#include "worker/train/unit.h"
 
 namespace {
 

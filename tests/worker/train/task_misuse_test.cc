@@ -13,11 +13,11 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
+#include "hsdp/runner.h"
+#include "hsdp/task.h"
+#include "hsdp/task_util.h"
+#include "hsdp/unit.h"
 #include "tests/worker/train/task_cluster.h"
-#include "worker/train/runner.h"
-#include "worker/train/task.h"
-#include "worker/train/task_util.h"
-#include "worker/train/unit.h"
 
 namespace hsdp::train {
 namespace {

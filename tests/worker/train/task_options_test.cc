@@ -2,7 +2,7 @@
 // that name the option; and WorkerMain with a TaskDefinition: --help lists the
 // task's options and the runner's flags but none of the built-in GPT's, and a
 // bad option stops the binary with one line.
-#include "worker/train/task_options.h"
+#include "hsdp/task_options.h"
 
 #include <signal.h>
 
@@ -13,7 +13,7 @@
 
 #include "absl/strings/match.h"
 #include "gtest/gtest.h"
-#include "worker/train/worker_main.h"
+#include "hsdp/worker_main.h"
 
 namespace hsdp::train {
 namespace {

@@ -13,8 +13,8 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "hsdp/models/gpt_task.h"
 #include "tests/worker/fsdp/fsdp_test_util.h"
-#include "worker/models/gpt_task.h"
 
 namespace hsdp::train {
 namespace {
@@ -61,7 +61,7 @@ class WatchedGpt : public Task {
     return inner_->BuildUnit(i);
   }
   void ReleaseUnit(int i) override { inner_->ReleaseUnit(i); }
-  void Shard(ShardContext& c) override { inner_->Shard(c); }
+  void SetShardContext(ShardContext& c) override { inner_->SetShardContext(c); }
   absl::StatusOr<Batch> GetBatch(const BatchRequest& r) override {
     return inner_->GetBatch(r);
   }
@@ -91,7 +91,7 @@ TEST(TaskUnitsTest, EachRankHoldsOneUnitAtATimeAndItsShardsEqualTheInit) {
     WatchedGpt task(MakeGpt(kDims));
     ASSERT_TRUE(task.Build(BuildContext{c10::kCPU, 7}).ok());
     fsdp::EngineOptions options;
-    absl::StatusOr<std::vector<fsdp::UnitInfo>> described =
+    absl::StatusOr<std::vector<fsdp::UnitLayout>> described =
         DescribeTaskUnits(task, options);
     ASSERT_TRUE(described.ok()) << described.status();
     absl::StatusOr<std::unique_ptr<fsdp::Engine>> engine =
@@ -104,7 +104,7 @@ TEST(TaskUnitsTest, EachRankHoldsOneUnitAtATimeAndItsShardsEqualTheInit) {
     ASSERT_EQ(task.other_block_bytes.size(), 6u);
     for (int64_t bytes : task.other_block_bytes) EXPECT_EQ(bytes, 0);
     // The reported list is the engine's, and it covers every parameter.
-    std::vector<fsdp::UnitInfo> built = (*engine)->Units();
+    std::vector<fsdp::UnitLayout> built = (*engine)->Units();
     ASSERT_EQ(built.size(), described->size());
     int64_t numel = 0;
     for (size_t i = 0; i < built.size(); ++i) {
@@ -143,7 +143,7 @@ class SharedAcrossUnits : public Task {
     if (i == 0) return UnitSpec{"a", {a_.ptr()}};
     return UnitSpec{"b", {b_.ptr()}};
   }
-  void Shard(ShardContext&) override {}
+  void SetShardContext(ShardContext&) override {}
   absl::StatusOr<Batch> GetBatch(const BatchRequest&) override {
     return Batch{};
   }
@@ -192,6 +192,48 @@ TEST(TaskUnitsTest, UnitsNamedRootOrTwiceAreRefused) {
     auto described = DescribeTaskUnits(task, fsdp::EngineOptions());
     EXPECT_EQ(described.status().code(), absl::StatusCode::kInvalidArgument);
   }
+}
+
+// A task written against the former name, Shard(), still receives the context:
+// the default SetShardContext() forwards to it.
+TEST(TaskUnitsTest, TaskOverridingTheFormerShardNameGetsTheContext) {
+  class NoUnits : public ShardContext {
+   public:
+    int num_units() const override { return 0; }
+    at::Tensor Forward(int, const at::Tensor& input,
+                       const UnitFn& fn) override {
+      return fn(input);
+    }
+    std::vector<at::Tensor> Forward(int, const std::vector<at::Tensor>& inputs,
+                                    const UnitTensorsFn& fn) override {
+      return fn(inputs);
+    }
+  };
+  class OldTask : public Task {
+   public:
+    std::string Name() const override { return "old"; }
+    absl::Status Build(const BuildContext&) override {
+      return absl::OkStatus();
+    }
+    std::shared_ptr<torch::nn::Module> Model() override { return nullptr; }
+    int NumUnits() const override { return 0; }
+    absl::StatusOr<UnitSpec> BuildUnit(int) override {
+      return absl::OutOfRangeError("no units");
+    }
+    void Shard(ShardContext& context) override { received = &context; }
+    absl::StatusOr<Batch> GetBatch(const BatchRequest&) override {
+      return absl::UnimplementedError("GetBatch");
+    }
+    absl::StatusOr<at::Tensor> Loss(const Batch&) override {
+      return absl::UnimplementedError("Loss");
+    }
+    ShardContext* received = nullptr;
+  };
+  NoUnits context;
+  OldTask task;
+  Task& as_task = task;
+  as_task.SetShardContext(context);
+  EXPECT_EQ(task.received, &context);
 }
 
 }  // namespace

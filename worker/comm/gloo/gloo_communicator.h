@@ -33,10 +33,10 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "worker/comm/communicator.h"
-#include "worker/comm/gloo/gloo_options.h"
+#include "hsdp/communicator.h"
+#include "hsdp/gloo_options.h"
+#include "hsdp/store.h"
 #include "worker/comm/serial_executor.h"
-#include "worker/comm/store/store.h"
 
 namespace gloo {
 class Context;

@@ -14,7 +14,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "worker/comm/store/store.h"
+#include "hsdp/store.h"
 
 namespace gloo {
 class Context;

@@ -26,8 +26,8 @@
 #include <vector>
 
 #include "absl/time/time.h"
-#include "worker/comm/communicator.h"
-#include "worker/comm/gloo/gloo_options.h"
+#include "hsdp/communicator.h"
+#include "hsdp/gloo_options.h"
 
 namespace gloo {
 class Context;

@@ -13,7 +13,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "gloo/rendezvous/store.h"
-#include "worker/comm/store/store.h"
+#include "hsdp/store.h"
 
 namespace hsdp::comm {
 

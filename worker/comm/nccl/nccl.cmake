@@ -8,7 +8,7 @@ if(HSDP_NCCL_ENABLED)
     ${CMAKE_CURRENT_LIST_DIR}/nccl_communicator.cc
     ${CMAKE_CURRENT_LIST_DIR}/nccl_errors.cc
   )
-  target_include_directories(hsdp_nccl PUBLIC ${PROJECT_SOURCE_DIR})
+  target_include_directories(hsdp_nccl PUBLIC ${PROJECT_SOURCE_DIR} ${PROJECT_SOURCE_DIR}/include)
   target_include_directories(hsdp_nccl SYSTEM PUBLIC ${HSDP_NCCL_INCLUDE_DIR})
   target_link_libraries(hsdp_nccl
     PUBLIC

@@ -27,7 +27,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
-#include "worker/comm/communicator.h"
+#include "hsdp/communicator.h"
 #include "worker/comm/nccl/nccl_options.h"
 
 namespace hsdp::comm {

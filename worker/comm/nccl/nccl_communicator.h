@@ -52,11 +52,11 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
-#include "worker/comm/communicator.h"
-#include "worker/comm/device_mesh.h"
+#include "hsdp/communicator.h"
+#include "hsdp/device_mesh.h"
+#include "hsdp/store.h"
 #include "worker/comm/nccl/nccl_errors.h"
 #include "worker/comm/nccl/nccl_options.h"
-#include "worker/comm/store/store.h"
 
 namespace hsdp::comm {
 

@@ -41,10 +41,10 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "worker/comm/communicator.h"
+#include "hsdp/communicator.h"
+#include "hsdp/store.h"
 #include "worker/comm/forwarding_communicator.h"
 #include "worker/comm/serial_executor.h"
-#include "worker/comm/store/store.h"
 
 namespace hsdp::comm {
 

@@ -12,7 +12,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "worker/comm/store/store.h"
+#include "hsdp/store.h"
 
 namespace hsdp::comm {
 

@@ -12,7 +12,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "worker/comm/store/store.h"
+#include "hsdp/store.h"
 
 namespace hsdp::comm {
 

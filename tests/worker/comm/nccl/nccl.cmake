@@ -18,7 +18,7 @@ if(HSDP_NCCL_ENABLED AND TARGET hsdp_comm)
   add_library(hsdp_nccl_fake_runtime STATIC
     ${_hsdp_nccl_sources}
     ${CMAKE_CURRENT_LIST_DIR}/nccl_fake_runtime.cc)
-  target_include_directories(hsdp_nccl_fake_runtime PUBLIC ${PROJECT_SOURCE_DIR})
+  target_include_directories(hsdp_nccl_fake_runtime PUBLIC ${PROJECT_SOURCE_DIR} ${PROJECT_SOURCE_DIR}/include)
   target_include_directories(hsdp_nccl_fake_runtime SYSTEM PUBLIC ${HSDP_NCCL_INCLUDE_DIR}
                              ${CUDAToolkit_INCLUDE_DIRS})
   target_link_libraries(hsdp_nccl_fake_runtime PUBLIC hsdp_comm absl::status absl::statusor

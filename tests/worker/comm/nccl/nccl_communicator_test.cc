@@ -20,7 +20,7 @@
 #include "absl/time/clock.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "worker/comm/device_mesh.h"
+#include "hsdp/device_mesh.h"
 #include "worker/comm/reduce_kernels.h"
 #include "worker/comm/store/in_memory_store.h"
 

@@ -31,7 +31,7 @@
 #include <thread>
 #include <vector>
 
-#include "worker/comm/communicator.h"
+#include "hsdp/communicator.h"
 #include "worker/comm/reduce_kernels.h"
 
 namespace {

@@ -77,8 +77,8 @@
 // drive it from one training thread (autograd may call the hooks on its own
 // worker thread while that thread waits in backward(), which is still
 // serialised).
-#ifndef HSDP_WORKER_FSDP_FULLY_SHARD_H_
-#define HSDP_WORKER_FSDP_FULLY_SHARD_H_
+#ifndef HSDP_FULLY_SHARD_H_
+#define HSDP_FULLY_SHARD_H_
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
@@ -94,9 +94,9 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "common/memory_breakdown.h"
-#include "worker/comm/communicator.h"
-#include "worker/fsdp/placement.h"
+#include "hsdp/communicator.h"
+#include "hsdp/memory_breakdown.h"
+#include "hsdp/placement.h"
 
 namespace torch::nn {
 class Module;
@@ -201,7 +201,7 @@ struct UnitOptions {
 
 // Static description of a unit. ToProto gives what the worker reports when it
 // joins (hsdp.v1.UnitInfo).
-struct UnitInfo {
+struct UnitLayout {
   std::string name;
   int64_t num_params = 0;  // parameter tensors
   int64_t numel = 0;       // elements of the unsharded parameters
@@ -372,7 +372,7 @@ class Engine {
   UnitHandle& Root();
   UnitHandle& Unit(int index);
   int num_units() const;
-  std::vector<UnitInfo> Units() const;
+  std::vector<UnitLayout> Units() const;
   EngineStats Stats() const;
   void ResetStats();
 
@@ -464,14 +464,14 @@ at::Tensor Recompute(Engine& engine, const TensorFn& fn,
 // qualified names under the root; any device, meta included; the master dtype),
 // for `shard_size` ranks and the unit's `placement`, without sharding
 // anything: Engine::Units() reports exactly this for every unit.
-UnitInfo DescribeUnit(
+UnitLayout DescribeUnit(
     const std::string& name,
     const std::vector<std::pair<std::string, at::Tensor>>& params,
     const EngineOptions& options, int shard_size,
     const PlacementFn& placement = nullptr);
 
 // The unit as the coordinator sees it: name, elements, master bytes.
-hsdp::v1::UnitInfo ToProto(const UnitInfo& info);
+hsdp::v1::UnitInfo ToProto(const UnitLayout& info);
 
 // Clips the sharded gradients so the global norm over all shards is at most
 // max_norm (a collective on the shard communicator: call it on every rank).
@@ -513,4 +513,4 @@ absl::Status LoadShardedStateDict(
 
 }  // namespace hsdp::fsdp
 
-#endif  // HSDP_WORKER_FSDP_FULLY_SHARD_H_
+#endif  // HSDP_FULLY_SHARD_H_

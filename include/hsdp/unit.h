@@ -34,8 +34,8 @@
 // task that builds unit i inside BuildUnit(i) keeps that call's Unit.
 //
 // Thread-compatible, like the Task that owns it.
-#ifndef HSDP_WORKER_TRAIN_UNIT_H_
-#define HSDP_WORKER_TRAIN_UNIT_H_
+#ifndef HSDP_UNIT_H_
+#define HSDP_UNIT_H_
 
 #include <ATen/core/Tensor.h>
 
@@ -43,7 +43,7 @@
 #include <string>
 #include <utility>
 
-#include "worker/train/task.h"
+#include "hsdp/task.h"
 
 namespace hsdp::train {
 
@@ -87,4 +87,4 @@ class Unit {
 
 }  // namespace hsdp::train
 
-#endif  // HSDP_WORKER_TRAIN_UNIT_H_
+#endif  // HSDP_UNIT_H_

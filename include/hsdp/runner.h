@@ -14,8 +14,8 @@
 //
 // Thread-safety: each call runs the task on the calling thread and returns when
 // the run ends; one call per Task.
-#ifndef HSDP_WORKER_TRAIN_RUNNER_H_
-#define HSDP_WORKER_TRAIN_RUNNER_H_
+#ifndef HSDP_RUNNER_H_
+#define HSDP_RUNNER_H_
 
 #include <cstdint>
 #include <memory>
@@ -24,7 +24,7 @@
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
-#include "worker/train/task.h"
+#include "hsdp/task.h"
 
 namespace hsdp::train {
 
@@ -179,4 +179,4 @@ void InitLogging(const char* argv0);
 
 }  // namespace hsdp::train
 
-#endif  // HSDP_WORKER_TRAIN_RUNNER_H_
+#endif  // HSDP_RUNNER_H_

@@ -3,8 +3,8 @@
 // generator, which the reference and each rank would consume differently),
 // and samples that are a function of (seed, step, index) alone. Stateless
 // functions; thread-safe.
-#ifndef HSDP_WORKER_TRAIN_TASK_UTIL_H_
-#define HSDP_WORKER_TRAIN_TASK_UTIL_H_
+#ifndef HSDP_TASK_UTIL_H_
+#define HSDP_TASK_UTIL_H_
 
 #include <ATen/core/Generator.h>
 
@@ -46,4 +46,4 @@ void InitParameters(torch::nn::Module& module, uint64_t seed,
 
 }  // namespace hsdp::train
 
-#endif  // HSDP_WORKER_TRAIN_TASK_UTIL_H_
+#endif  // HSDP_TASK_UTIL_H_

@@ -4,16 +4,16 @@
 //
 // Task options (--task-option KEY=VALUE): tie_embeddings=true makes the output
 // head reuse the token embedding's weight.
-#ifndef HSDP_WORKER_MODELS_GPT_TASK_H_
-#define HSDP_WORKER_MODELS_GPT_TASK_H_
+#ifndef HSDP_MODELS_GPT_TASK_H_
+#define HSDP_MODELS_GPT_TASK_H_
 
 #include <memory>
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "worker/models/gpt.h"
-#include "worker/models/token_dataset.h"
-#include "worker/train/task.h"
+#include "hsdp/models/gpt.h"
+#include "hsdp/models/token_dataset.h"
+#include "hsdp/task.h"
 
 namespace hsdp::models {
 
@@ -55,4 +55,4 @@ class GptTask : public train::Task {
 
 }  // namespace hsdp::models
 
-#endif  // HSDP_WORKER_MODELS_GPT_TASK_H_
+#endif  // HSDP_MODELS_GPT_TASK_H_

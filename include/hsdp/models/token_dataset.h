@@ -19,8 +19,8 @@
 // same tokens.
 //
 // Thread-safety: immutable after Open; safe to share across threads.
-#ifndef HSDP_WORKER_MODELS_TOKEN_DATASET_H_
-#define HSDP_WORKER_MODELS_TOKEN_DATASET_H_
+#ifndef HSDP_MODELS_TOKEN_DATASET_H_
+#define HSDP_MODELS_TOKEN_DATASET_H_
 
 #include <ATen/core/Tensor.h>
 
@@ -86,4 +86,4 @@ class TokenDataset {
 
 }  // namespace hsdp::models
 
-#endif  // HSDP_WORKER_MODELS_TOKEN_DATASET_H_
+#endif  // HSDP_MODELS_TOKEN_DATASET_H_

@@ -1,13 +1,13 @@
 // The tasks hsdp-worker knows by name: gpt-tiny, gpt-small, gpt-medium, gpt-1b,
 // gpt-custom (--dims) and torchscript:PATH (a scripted model, see
 // torchscript_task.h). NOT_FOUND naming the known models for anything else.
-#ifndef HSDP_WORKER_MODELS_BUILTIN_TASKS_H_
-#define HSDP_WORKER_MODELS_BUILTIN_TASKS_H_
+#ifndef HSDP_MODELS_BUILTIN_TASKS_H_
+#define HSDP_MODELS_BUILTIN_TASKS_H_
 
 #include <memory>
 
 #include "absl/status/statusor.h"
-#include "worker/train/task.h"
+#include "hsdp/task.h"
 
 namespace hsdp::models {
 
@@ -19,4 +19,4 @@ absl::StatusOr<std::unique_ptr<train::Task>> MakeBuiltinTask(
 
 }  // namespace hsdp::models
 
-#endif  // HSDP_WORKER_MODELS_BUILTIN_TASKS_H_
+#endif  // HSDP_MODELS_BUILTIN_TASKS_H_

@@ -1,5 +1,5 @@
 // DeviceMesh: the world of ranks as replicate × shard, with rank =
-// replicate_index * shard + shard_index (the convention of common/mesh.h, the
+// replicate_index * shard + shard_index (the convention of hsdp/mesh.h, the
 // same on both sides; "RxS" on command lines). Each rank gets two
 // communicators:
 //   shard group      the `shard` ranks with its replicate_index (FSDP
@@ -8,8 +8,8 @@
 //                    all-reduce).
 // A group of size 1 still gets a communicator so the engine need not
 // special-case it.
-#ifndef HSDP_WORKER_COMM_DEVICE_MESH_H_
-#define HSDP_WORKER_COMM_DEVICE_MESH_H_
+#ifndef HSDP_DEVICE_MESH_H_
+#define HSDP_DEVICE_MESH_H_
 
 #include <functional>
 #include <memory>
@@ -19,10 +19,10 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "common/mesh.h"
-#include "worker/comm/communicator.h"
-#include "worker/comm/gloo/gloo_options.h"
-#include "worker/comm/store/store.h"
+#include "hsdp/communicator.h"
+#include "hsdp/gloo_options.h"
+#include "hsdp/mesh.h"
+#include "hsdp/store.h"
 
 namespace gloo::transport {
 class Device;
@@ -31,7 +31,7 @@ class Device;
 namespace hsdp::comm {
 
 // The mesh type and its arithmetic (ParseMesh, RankToCoord, ...), shared with
-// the coordinator, live in common/mesh.h.
+// the coordinator, live in hsdp/mesh.h.
 using MeshShape = ::hsdp::MeshShape;
 
 // One communication group as the factory sees it.
@@ -119,4 +119,4 @@ class DeviceMesh {
 
 }  // namespace hsdp::comm
 
-#endif  // HSDP_WORKER_COMM_DEVICE_MESH_H_
+#endif  // HSDP_DEVICE_MESH_H_

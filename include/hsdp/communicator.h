@@ -10,8 +10,8 @@
 // collectives in the same order. Calls return immediately with a Work handle;
 // the collective runs on the backend's own thread or stream, in issue order.
 // Buffers must stay alive and untouched until Wait() returns.
-#ifndef HSDP_WORKER_COMM_COMMUNICATOR_H_
-#define HSDP_WORKER_COMM_COMMUNICATOR_H_
+#ifndef HSDP_COMMUNICATOR_H_
+#define HSDP_COMMUNICATOR_H_
 
 #include <algorithm>
 #include <cstddef>
@@ -203,4 +203,4 @@ absl::Status CheckSendRecv(const std::string& where,
 
 }  // namespace hsdp::comm
 
-#endif  // HSDP_WORKER_COMM_COMMUNICATOR_H_
+#endif  // HSDP_COMMUNICATOR_H_

@@ -4,8 +4,8 @@
 // engine API (fully_shard.h) and of the Task API (task.h).
 //
 // Plain values; thread-safe.
-#ifndef HSDP_WORKER_FSDP_PLACEMENT_H_
-#define HSDP_WORKER_FSDP_PLACEMENT_H_
+#ifndef HSDP_PLACEMENT_H_
+#define HSDP_PLACEMENT_H_
 
 #include <ATen/core/Tensor.h>
 
@@ -42,4 +42,4 @@ using PlacementFn = std::function<std::optional<ParamPlacement>(
 
 }  // namespace hsdp::fsdp
 
-#endif  // HSDP_WORKER_FSDP_PLACEMENT_H_
+#endif  // HSDP_PLACEMENT_H_

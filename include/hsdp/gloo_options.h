@@ -2,8 +2,8 @@
 // GlooCommunicator behaves. Header-only and free of Gloo's own headers, so a
 // public header (device_mesh.h) can take these options without pulling in the
 // communicator, its executor or Gloo.
-#ifndef HSDP_WORKER_COMM_GLOO_GLOO_OPTIONS_H_
-#define HSDP_WORKER_COMM_GLOO_GLOO_OPTIONS_H_
+#ifndef HSDP_GLOO_OPTIONS_H_
+#define HSDP_GLOO_OPTIONS_H_
 
 #include <cstddef>
 #include <string>
@@ -39,4 +39,4 @@ struct GlooCommunicatorOptions {
 
 }  // namespace hsdp::comm
 
-#endif  // HSDP_WORKER_COMM_GLOO_GLOO_OPTIONS_H_
+#endif  // HSDP_GLOO_OPTIONS_H_

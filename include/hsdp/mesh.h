@@ -1,13 +1,13 @@
 // The replicate x shard device mesh and dim-0 shard arithmetic, shared by the
 // coordinator (Join answers) and the engine (which rows of a parameter a rank
-// holds).
+// holds). Protobuf-free: the wire conversions are in common/mesh_proto.h.
 //
 // Conventions (contract): rank = replicate_index * shard + shard_index; written
 // "RxS". A parameter is sharded on dim 0 across the S ranks of a shard group,
 // padded so every rank holds ceil(dim0 / S) rows; trailing ranks may hold only
 // padding.
-#ifndef HSDP_COMMON_MESH_H_
-#define HSDP_COMMON_MESH_H_
+#ifndef HSDP_MESH_H_
+#define HSDP_MESH_H_
 
 #include <cstdint>
 #include <string>
@@ -16,7 +16,6 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "hsdp/v1/common.pb.h"
 
 namespace hsdp {
 
@@ -61,9 +60,6 @@ absl::StatusOr<MeshShape> ParseMeshForWorld(absl::string_view text,
 // "RxS".
 std::string MeshToString(const MeshShape& mesh);
 
-hsdp::v1::Mesh MeshToProto(const MeshShape& mesh);
-MeshShape MeshFromProto(const hsdp::v1::Mesh& mesh);
-
 // Rank <-> coordinates. Preconditions: 0 <= rank < world_size, indices in
 // range.
 MeshCoord RankToCoord(const MeshShape& mesh, int rank);
@@ -97,4 +93,4 @@ int64_t ShardedBytes(int64_t bytes, int shard);
 
 }  // namespace hsdp
 
-#endif  // HSDP_COMMON_MESH_H_
+#endif  // HSDP_MESH_H_

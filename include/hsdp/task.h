@@ -71,9 +71,9 @@
 // else. BuildUnit(i) runs once per unit per process in the normal flow, plus
 // once more per unit before joining (to describe the units to the
 // coordinator), each time followed by ReleaseUnit(i) in that describing pass.
-// Shard() runs after the units are sharded, once per sharded model (again after
-// a membership change rebuilds it); the ShardContext it receives stays valid
-// until the next Shard() call or the end of the run.
+// SetShardContext() runs after the units are sharded, once per sharded model
+// (again after a membership change rebuilds it); the ShardContext it receives
+// stays valid until the next SetShardContext() call or the end of the run.
 //
 // Sharded initialisation. A task that constructs unit i's modules inside
 // BuildUnit(i) (initialised from the seed and i alone, registered under
@@ -126,8 +126,8 @@
 // numbers (init, data order, loss). New virtual methods are only ever added
 // with a default that keeps existing tasks correct (kTaskApiVersion counts
 // such additions).
-#ifndef HSDP_WORKER_TRAIN_TASK_H_
-#define HSDP_WORKER_TRAIN_TASK_H_
+#ifndef HSDP_TASK_H_
+#define HSDP_TASK_H_
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
@@ -142,7 +142,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "worker/fsdp/placement.h"
+#include "hsdp/placement.h"
 
 namespace torch::nn {
 class Module;
@@ -207,9 +207,12 @@ struct Batch {
   at::Tensor target;
 };
 
+// A unit's computation: one tensor in and out, or (UnitTensorsFn) several.
 using UnitFn = std::function<at::Tensor(const at::Tensor&)>;
-using UnitListFn =
+using UnitTensorsFn =
     std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)>;
+// The former name of UnitTensorsFn.
+using UnitListFn [[deprecated("use UnitTensorsFn")]] = UnitTensorsFn;
 
 // How Loss() enters the units. In a sharded run Forward() gathers the unit's
 // parameters (and starts the prefetches the coordinator scheduled), runs fn,
@@ -229,7 +232,7 @@ class ShardContext {
   // Several inputs/outputs (no recompute: one input only).
   virtual std::vector<at::Tensor> Forward(int unit,
                                           const std::vector<at::Tensor>& inputs,
-                                          const UnitListFn& fn) = 0;
+                                          const UnitTensorsFn& fn) = 0;
 };
 
 class Task {
@@ -254,9 +257,12 @@ class Task {
   // every unit in Build()).
   virtual void ReleaseUnit(int /*index*/) {}
 
-  // After sharding (and in the reference): keep `context` to enter units
-  // through ShardContext::Forward. Tasks whose units are Unit<> wrappers
-  // (unit.h) need not override it.
+  // After sharding (and in the reference) the runner hands the task the
+  // context that enters units: keep it, and call ShardContext::Forward from
+  // Loss(). Tasks whose units are Unit<> wrappers (unit.h) need not override
+  // it. The default calls Shard(), its former name, so older tasks still work.
+  virtual void SetShardContext(ShardContext& context) { Shard(context); }
+  // The former name of SetShardContext; override that instead.
   virtual void Shard(ShardContext& /*context*/) {}
 
   // The samples of one microbatch: a pure function of the request.
@@ -306,4 +312,4 @@ using TaskFactory =
 
 }  // namespace hsdp::train
 
-#endif  // HSDP_WORKER_TRAIN_TASK_H_
+#endif  // HSDP_TASK_H_

@@ -4,8 +4,8 @@
 // Implementations: InMemoryStore (tests, ranks as threads) and, in
 // worker/agent, a store backed by the coordinator's StoreSet/StoreGet/StoreWait
 // RPCs. Thread-safe: all methods may be called concurrently.
-#ifndef HSDP_WORKER_COMM_STORE_STORE_H_
-#define HSDP_WORKER_COMM_STORE_STORE_H_
+#ifndef HSDP_STORE_H_
+#define HSDP_STORE_H_
 
 #include <string>
 #include <vector>
@@ -33,4 +33,4 @@ class Store {
 
 }  // namespace hsdp::comm
 
-#endif  // HSDP_WORKER_COMM_STORE_STORE_H_
+#endif  // HSDP_STORE_H_

@@ -15,8 +15,8 @@
 // Thread-safety: a Gpt instance is thread-compatible (one training thread);
 // distinct instances may be used from distinct threads (init uses a private
 // generator, never the global one).
-#ifndef HSDP_WORKER_MODELS_GPT_H_
-#define HSDP_WORKER_MODELS_GPT_H_
+#ifndef HSDP_MODELS_GPT_H_
+#define HSDP_MODELS_GPT_H_
 
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/modulelist.h>
@@ -161,4 +161,4 @@ std::string UnitName(int index);
 
 }  // namespace hsdp::models
 
-#endif  // HSDP_WORKER_MODELS_GPT_H_
+#endif  // HSDP_MODELS_GPT_H_

@@ -15,8 +15,8 @@
 //
 // WorkerMain (worker_main.h) does the parsing for a task registered with a
 // TaskDefinition. Thread-compatible.
-#ifndef HSDP_WORKER_TRAIN_TASK_OPTIONS_H_
-#define HSDP_WORKER_TRAIN_TASK_OPTIONS_H_
+#ifndef HSDP_TASK_OPTIONS_H_
+#define HSDP_TASK_OPTIONS_H_
 
 #include <cstdint>
 #include <functional>
@@ -28,7 +28,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "worker/train/task.h"
+#include "hsdp/task.h"
 
 namespace hsdp::train {
 
@@ -126,4 +126,4 @@ struct TaskDefinition {
 
 }  // namespace hsdp::train
 
-#endif  // HSDP_WORKER_TRAIN_TASK_OPTIONS_H_
+#endif  // HSDP_TASK_OPTIONS_H_

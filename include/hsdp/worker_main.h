@@ -22,11 +22,11 @@
 // stderr), 2 on a bad command line. It sets SIGPIPE to ignored for the
 // process: a write to a peer that went away is then an error the run
 // recovers from, not the death of this worker.
-#ifndef HSDP_WORKER_TRAIN_WORKER_MAIN_H_
-#define HSDP_WORKER_TRAIN_WORKER_MAIN_H_
+#ifndef HSDP_WORKER_MAIN_H_
+#define HSDP_WORKER_MAIN_H_
 
-#include "worker/train/task.h"
-#include "worker/train/task_options.h"
+#include "hsdp/task.h"
+#include "hsdp/task_options.h"
 
 namespace hsdp::train {
 
@@ -35,4 +35,4 @@ int WorkerMain(int argc, char** argv, const TaskDefinition& definition);
 
 }  // namespace hsdp::train
 
-#endif  // HSDP_WORKER_TRAIN_WORKER_MAIN_H_
+#endif  // HSDP_WORKER_MAIN_H_

@@ -2,8 +2,8 @@
 // (memory_model.h) and what the engine accounts (fsdp::EngineStats). A plain
 // struct of its own so that the engine's public header does not pull in the
 // model or the wire API. Thread-compatible.
-#ifndef HSDP_COMMON_MEMORY_BREAKDOWN_H_
-#define HSDP_COMMON_MEMORY_BREAKDOWN_H_
+#ifndef HSDP_MEMORY_BREAKDOWN_H_
+#define HSDP_MEMORY_BREAKDOWN_H_
 
 #include <cstdint>
 #include <string>
@@ -35,4 +35,4 @@ struct MemoryBreakdown {
 
 }  // namespace hsdp
 
-#endif  // HSDP_COMMON_MEMORY_BREAKDOWN_H_
+#endif  // HSDP_MEMORY_BREAKDOWN_H_
