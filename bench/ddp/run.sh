@@ -3,16 +3,17 @@
 # of single-threaded CPU processes. Prints step-time ratios and per-rank peak memory from one run.
 #
 #   bench/ddp/run.sh [BUILD_DIR]   (env: DIMS, STEPS, WARMUP, MICROBATCH_SIZE, MESH, ROUNDS,
-#                                   VARIANTS, HSDP_ARGS)
+#                                   VARIANTS, FUSION_BUCKET, HSDP_ARGS)
 # Needs Debian's python3-torch (run with /usr/bin/python3) and a built hsdp-launch/worker/coordinator.
 #
 # Each round runs DDP (Gloo TCP) and then every hsdp variant, and the rounds alternate, so drift in
-# the machine's load hits every side; ratios are taken per round and over all rounds. The variants
-# (VARIANTS, space-separated, default all four):
-#   shm       shared memory between the ranks, default policy
-#   tcp       Gloo TCP only (--shared-memory=false), default policy: DDP's transport
-#   shm-keep  shared memory, reshard_after_forward=false
-#   tcp-keep  Gloo TCP, reshard_after_forward=false: the same bytes DDP moves
+# the machine's load hits every side; ratios are taken per round and over all rounds. A variant
+# (VARIANTS, space-separated) is a transport with optional suffixes:
+#   shm       shared memory between the ranks
+#   tcp       Gloo TCP only (--shared-memory=false): DDP's transport
+#   -keep     reshard_after_forward=false (with tcp: the same bytes DDP moves)
+#   -fused    comm fusion: Policy.comm_fusion_bucket_bytes = FUSION_BUCKET (default 8 MiB)
+# e.g. shm, tcp-keep, tcp-keep-fused; the default runs the six of the targets printed at the end.
 # All-gathers per step are what the sealed schedule implies (every unit gathers once in forward,
 # and again in backward when it was resharded after forward; one microbatch), which the engine
 # tests (tests/worker/fsdp/fsdp_collective_order_test.cc) pin to the engine's own counts.
@@ -26,15 +27,14 @@ WARMUP="${WARMUP:-5}"
 MICROBATCH_SIZE="${MICROBATCH_SIZE:-4}"
 MESH="${MESH:-1x4}"
 ROUNDS="${ROUNDS:-2}"
-VARIANTS="${VARIANTS:-shm tcp shm-keep tcp-keep}"
+VARIANTS="${VARIANTS:-shm shm-fused tcp tcp-fused tcp-keep tcp-keep-fused}"
+FUSION_BUCKET="${FUSION_BUCKET:-$((8 << 20))}"
 HSDP_ARGS="${HSDP_ARGS:-}"
 WORLD=4
 RUN_DIR="$(mktemp -d /tmp/hsdp-bench-ddp-XXXXXX)"
-KEEP_POLICY="$RUN_DIR/keep.json"
-echo '{"reshardAfterForward": false}' >"$KEEP_POLICY"
 
 echo "bench: dims $DIMS, $WORLD processes x 1 thread, global batch $((WORLD * MICROBATCH_SIZE)) x seq," \
-  "$STEPS steps ($WARMUP warm-up), hsdp mesh $MESH, variants: $VARIANTS ${HSDP_ARGS}," \
+  "$STEPS steps ($WARMUP warm-up), hsdp mesh $MESH, variants: $VARIANTS (fusion bucket $FUSION_BUCKET B) ${HSDP_ARGS}," \
   "$ROUNDS alternating rounds"
 for round in $(seq 1 "$ROUNDS"); do
   /usr/bin/python3 bench/ddp/ddp_gpt.py --world "$WORLD" --dims "$DIMS" --steps "$STEPS" \
@@ -42,14 +42,19 @@ for round in $(seq 1 "$ROUNDS"); do
   for variant in $VARIANTS; do
     flags=()
     case "$variant" in
-      shm) ;;
-      tcp) flags=(--shared-memory=false) ;;
-      shm-keep) ;;
-      tcp-keep) flags=(--shared-memory=false) ;;
+      shm|shm-*) ;;
+      tcp|tcp-*) flags=(--shared-memory=false) ;;
       *) echo "unknown variant $variant" >&2; exit 2 ;;
     esac
+    fields=()
+    [[ "$variant" == *-keep* ]] && fields+=('"reshardAfterForward": false')
+    [[ "$variant" == *-fused* ]] && fields+=("\"commFusionBucketBytes\": \"$FUSION_BUCKET\"")
     policy=()
-    [[ "$variant" == *-keep ]] && policy=(--policy-file "$KEEP_POLICY")
+    if (( ${#fields[@]} > 0 )); then
+      policy_file="$RUN_DIR/policy-$variant.json"
+      (IFS=,; echo "{${fields[*]}}") >"$policy_file"
+      policy=(--policy-file "$policy_file")
+    fi
     # shellcheck disable=SC2086  # HSDP_ARGS is a list of flags
     "$BUILD_DIR/bin/hsdp-launch" --workers "$WORLD" --mesh "$MESH" --model gpt-small \
       --steps "$STEPS" "${policy[@]}" --run-dir "$RUN_DIR/$variant-$round" -- --dims "$DIMS" \
@@ -91,7 +96,8 @@ for variant in variants:
     summary[variant] = (sum(times) / rounds, ag)
 ddp_mean = sum(ddp) / rounds
 print(f"over {rounds} rounds (DDP on Gloo TCP {ddp_mean:.4f} s):")
-targets = {"tcp": 1.10, "tcp-keep": 1.0}
+targets = {"shm": 0.85, "shm-fused": 0.85, "tcp": 1.10, "tcp-keep": 1.0, "tcp-fused": 1.0,
+           "tcp-keep-fused": 0.9}
 for variant, (t, ag) in summary.items():
     target = f" (target <= {targets[variant]:.2f}x)" if variant in targets else ""
     print(f"  {variant:<10} {t:.4f} s = {t / ddp_mean:.3f}x DDP, {ag} all-gathers/step{target}")
