@@ -14,9 +14,11 @@
 #   -keep     reshard_after_forward=false (with tcp: the same bytes DDP moves)
 #   -fused    comm fusion: Policy.comm_fusion_bucket_bytes = FUSION_BUCKET (default 8 MiB)
 # e.g. shm, tcp-keep, tcp-keep-fused; the default runs the six of the targets printed at the end.
-# All-gathers per step are what the sealed schedule implies (every unit gathers once in forward,
+# Unit gathers per step are what the sealed schedule implies (every unit gathers once in forward,
 # and again in backward when it was resharded after forward; one microbatch), which the engine
-# tests (tests/worker/fsdp/fsdp_collective_order_test.cc) pin to the engine's own counts.
+# tests (tests/worker/fsdp/fsdp_collective_order_test.cc) pin to the engine's own counts; with
+# fusion, the units of a group share one collective. The summary also gives the time the ranks
+# spent in all-gathers and reduce-scatters per step (from their reports), where fusion shows.
 # HSDP_ARGS are extra hsdp-worker flags for every variant.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -77,30 +79,39 @@ def step_time(ranks):
     steps = range(warmup, len(ranks[0]))
     return sum(max(ranks[r][s]["step_seconds"] for r in range(world)) for s in steps) / len(steps)
 
+def comm_ms(ranks):
+    lines = [x for r in ranks for x in r[warmup:]]
+    ag = sum(x.get("all_gather_seconds", 0) for x in lines) / len(lines)
+    rs = sum(x.get("reduce_scatter_seconds", 0) for x in lines) / len(lines)
+    return ag * 1e3, rs * 1e3
+
 def all_gathers(line):
     # One microbatch: every unit gathers in forward, and again in backward when resharded.
     raf = line["reshard_after_forward"]
     return (len(raf) + raf.count("1")) * line.get("microbatches", 1)
 
 ddp = [json.load(open(f"{run}/ddp-{rnd}.json"))["step_seconds"] for rnd in range(1, rounds + 1)]
-print(f"{'variant':<10} {'round':>5} {'step_s':>8} {'ddp_s':>8} {'x DDP':>7} {'all-gathers/step':>17}")
+print(f"{'variant':<14} {'round':>5} {'step_s':>8} {'ddp_s':>8} {'x DDP':>7} {'unit gathers/step':>18}")
 summary = {}
 for variant in variants:
-    times = []
+    times, comms = [], []
     for rnd in range(1, rounds + 1):
         ranks = reports(variant, rnd)
         t = step_time(ranks)
         times.append(t)
         ag = all_gathers(ranks[0][-1])
-        print(f"{variant:<10} {rnd:>5} {t:>8.4f} {ddp[rnd - 1]:>8.4f} {t / ddp[rnd - 1]:>7.3f} {ag:>17}")
-    summary[variant] = (sum(times) / rounds, ag)
+        comms.append(comm_ms(ranks))
+        print(f"{variant:<14} {rnd:>5} {t:>8.4f} {ddp[rnd - 1]:>8.4f} {t / ddp[rnd - 1]:>7.3f} {ag:>18}")
+    summary[variant] = (sum(times) / rounds, ag,
+                        sum(c[0] for c in comms) / rounds, sum(c[1] for c in comms) / rounds)
 ddp_mean = sum(ddp) / rounds
 print(f"over {rounds} rounds (DDP on Gloo TCP {ddp_mean:.4f} s):")
 targets = {"shm": 0.85, "shm-fused": 0.85, "tcp": 1.10, "tcp-keep": 1.0, "tcp-fused": 1.0,
            "tcp-keep-fused": 0.9}
-for variant, (t, ag) in summary.items():
+for variant, (t, ag, ag_ms, rs_ms) in summary.items():
     target = f" (target <= {targets[variant]:.2f}x)" if variant in targets else ""
-    print(f"  {variant:<10} {t:.4f} s = {t / ddp_mean:.3f}x DDP, {ag} all-gathers/step{target}")
+    print(f"  {variant:<14} {t:.4f} s = {t / ddp_mean:.3f}x DDP, {ag} unit gathers/step, "
+          f"all-gather {ag_ms:.1f} ms + reduce-scatter {rs_ms:.1f} ms per rank{target}")
 last = variants[-1]
 transport = "?"
 for line in open(f"{run}/{last}-{rounds}/worker-0.log"):
