@@ -93,8 +93,8 @@ class DeviceMesh {
   Communicator& shard() const { return *shard_; }
   Communicator& replicate() const { return *replicate_; }
 
-  // Aborts both communicators (Communicator::Abort), from any thread: the
-  // collectives of this mesh that are running or issued later fail with
+  // Aborts both communicators at once (Communicator::Abort), from any thread:
+  // the collectives of this mesh that are running or issued later fail with
   // ABORTED. Returns the first error. The mesh is dead afterwards: destroy it
   // and create the next generation's under a new prefix (any shape; in the
   // same process, on the same or a new Gloo device).

@@ -1,5 +1,6 @@
 #include "hsdp/device_mesh.h"
 
+#include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -48,8 +49,14 @@ DeviceMesh::DeviceMesh(MeshShape shape, int rank,
       replicate_(std::move(replicate)) {}
 
 absl::Status DeviceMesh::Abort(absl::string_view reason) const {
+  // Both at once: an Abort returns only when its running collective stopped,
+  // and a collective of one group may wait on a peer that waits in the other
+  // group, so aborting one after the other could hold the second group's
+  // waiter until its timeout.
+  absl::Status replicate;
+  std::thread replicate_abort([&] { replicate = replicate_->Abort(reason); });
   const absl::Status shard = shard_->Abort(reason);
-  const absl::Status replicate = replicate_->Abort(reason);
+  replicate_abort.join();
   return shard.ok() ? replicate : shard;
 }
 

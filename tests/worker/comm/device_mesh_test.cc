@@ -2,10 +2,14 @@
 // loopback.
 #include "hsdp/device_mesh.h"
 
+#include <memory>
 #include <vector>
 
+#include "absl/synchronization/notification.h"
 #include "gtest/gtest.h"
 #include "tests/worker/comm/comm_test_util.h"
+#include "worker/comm/forwarding_communicator.h"
+#include "worker/comm/gloo/gloo_communicator.h"
 #include "worker/comm/store/in_memory_store.h"
 
 namespace hsdp::comm {
@@ -28,6 +32,55 @@ TEST(DeviceMeshTest, GroupArithmetic) {
   EXPECT_EQ(replicate.global_ranks, (std::vector<int>{1, 4}));
   EXPECT_EQ(DeviceMesh::Create(shape, 6, "p", nullptr).status().code(),
             absl::StatusCode::kInvalidArgument);
+}
+
+// A communicator whose Abort returns only once the other group's Abort has
+// begun, as when a collective of one group waits on a peer that waits in the
+// other group.
+class AbortAfterTheOther : public ForwardingCommunicator {
+ public:
+  AbortAfterTheOther(std::unique_ptr<Communicator> inner,
+                     absl::Notification* mine, absl::Notification* other)
+      : ForwardingCommunicator(std::move(inner)), mine_(mine), other_(other) {}
+  absl::Status Abort(absl::string_view reason) override {
+    mine_->Notify();
+    if (!other_->WaitForNotificationWithTimeout(absl::Seconds(10))) {
+      return absl::DeadlineExceededError("the other group was never aborted");
+    }
+    return ForwardingCommunicator::Abort(reason);
+  }
+
+ private:
+  absl::Notification* const mine_;
+  absl::Notification* const other_;
+};
+
+TEST(DeviceMeshTest, AbortReachesBothGroupsBeforeWaitingOnEither) {
+  InMemoryStore store;
+  GlooDeviceOptions options;
+  options.hostname = "127.0.0.1";
+  absl::StatusOr<std::shared_ptr<gloo::transport::Device>> device =
+      CreateGlooDevice(options);
+  ASSERT_TRUE(device.ok()) << device.status();
+  const CommunicatorFactory gloo =
+      GlooCommunicatorFactory(store, *device, absl::Seconds(20),
+                              /*shared_memory=*/false);
+  absl::Notification shard_aborted, replicate_aborted;
+  absl::StatusOr<std::unique_ptr<DeviceMesh>> mesh = DeviceMesh::Create(
+      MeshShape{1, 1}, 0, "job/gen0",
+      [&](const GroupSpec& group)
+          -> absl::StatusOr<std::unique_ptr<Communicator>> {
+        absl::StatusOr<std::unique_ptr<Communicator>> inner = gloo(group);
+        if (!inner.ok()) return inner.status();
+        const bool shard = group.kind == "shard";
+        return std::make_unique<AbortAfterTheOther>(
+            *std::move(inner), shard ? &shard_aborted : &replicate_aborted,
+            shard ? &replicate_aborted : &shard_aborted);
+      });
+  ASSERT_TRUE(mesh.ok()) << mesh.status();
+  EXPECT_TRUE((*mesh)->Abort("test").ok());
+  EXPECT_TRUE(shard_aborted.HasBeenNotified());
+  EXPECT_TRUE(replicate_aborted.HasBeenNotified());
 }
 
 // 2x2 over Gloo, with and without shared memory for the segment collectives:
