@@ -302,11 +302,18 @@ absl::Status GlooCommunicator::Abort(absl::string_view reason) {
   core_->SetAborted(reason);
   // Queued collectives never start; the running one is unblocked below.
   executor_.Abort(reason);
-  ShutdownGlooPairs(*core_->context, core_->peer_addresses);
+  const std::vector<int> closed =
+      ShutdownGlooPairs(*core_->context, core_->peer_addresses);
   if (!executor_.WaitIdle(absl::Now() + timeout_)) {
     return absl::DeadlineExceededError(absl::StrCat(
         Describe("Abort"), ": the running collective did not stop within ",
-        absl::FormatDuration(timeout_), "; its buffers must stay alive"));
+        absl::FormatDuration(timeout_), "; its buffers must stay alive",
+        closed.empty()
+            ? std::string()
+            : absl::StrCat(" (no open socket found for peer rank(s) ",
+                           absl::StrJoin(closed, ", "),
+                           ": those pairs were closed, which does not wake a "
+                           "local wait)")));
   }
   return absl::OkStatus();
 }

@@ -137,8 +137,8 @@ int FindPeerInGlooError(const std::string& text,
 
 // Abort() unblocks a collective stuck in Gloo this way because Debian's Gloo
 // offers no public abort that wakes a local waiter (see ShutdownSockets).
-void ShutdownGlooPairs(gloo::Context& context,
-                       const std::vector<std::string>& peer_addresses) {
+std::vector<int> ShutdownGlooPairs(
+    gloo::Context& context, const std::vector<std::string>& peer_addresses) {
   std::vector<SocketEnds> pair_ends(context.size);
   std::set<SocketEnds> ends;
   for (int p = 0; p < context.size; ++p) {
@@ -148,14 +148,17 @@ void ShutdownGlooPairs(gloo::Context& context,
     ends.insert(pair_ends[p]);
   }
   const std::set<SocketEnds> shut = ShutdownSockets(ends);
+  std::vector<int> closed;
   for (int p = 0; p < context.size; ++p) {
     // A socket not found (no /proc, or Gloo closed it after an error):
     // closing the pair still tells the peer; a local wait on it, if any, then
     // ends at its timeout.
     if (p != context.rank && shut.count(pair_ends[p]) == 0) {
       context.getPair(p)->close();
+      closed.push_back(p);
     }
   }
+  return closed;
 }
 
 }  // namespace hsdp::comm

@@ -43,9 +43,10 @@ int FindPeerInGlooError(const std::string& text,
 // a blocked waiter; peers read EOF and fail at once. A pair whose socket is
 // not found (no /proc, or Gloo closed it after an error) is closed instead:
 // that still tells the peer, and a local wait on it ends at its timeout.
-// `peer_addresses` as ExchangePairAddresses returned it.
-void ShutdownGlooPairs(gloo::Context& context,
-                       const std::vector<std::string>& peer_addresses);
+// `peer_addresses` as ExchangePairAddresses returned it. Returns the peer
+// ranks whose pair was closed rather than shut down.
+std::vector<int> ShutdownGlooPairs(
+    gloo::Context& context, const std::vector<std::string>& peer_addresses);
 
 }  // namespace hsdp::comm
 
