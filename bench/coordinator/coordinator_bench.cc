@@ -66,6 +66,10 @@ constexpr auto kRpcTimeout = std::chrono::seconds(60);
 constexpr char kAddressPrefix[] = "ADDRESS ";
 // Steps run before the timed ones: connections, sealing, first pushes.
 constexpr int kWarmupSteps = 3;
+// Simulated workers share a host eight at a time: with the 8-wide shard
+// groups Serve() picks, every shard group lies inside one host, as the
+// coordinator places them on a real cluster.
+constexpr int kRanksPerHost = 8;
 
 struct Options {
   std::vector<int> workers = {64, 256, 1024};
@@ -84,7 +88,7 @@ hsdp::v1::JoinRequest MakeJoin(int rank, int layers) {
   hsdp::v1::JoinRequest request;
   request.set_job_id(kJob);
   request.set_rank_hint(rank);
-  request.set_hostname(absl::StrCat("bench-", rank));
+  request.set_hostname(absl::StrCat("bench-", rank / kRanksPerHost));
   request.set_device("cpu");
   request.set_model("bench");
   auto add = [&](const std::string& name, int64_t params) {
@@ -113,7 +117,9 @@ int Serve(const Options& options, int n) {
   hsdp::coordinator::JobConfig job;
   job.job_id = kJob;
   job.world_size = n;
-  job.mesh = n % 8 == 0 ? hsdp::MeshShape{n / 8, 8} : hsdp::MeshShape{1, n};
+  job.mesh = n % kRanksPerHost == 0
+                 ? hsdp::MeshShape{n / kRanksPerHost, kRanksPerHost}
+                 : hsdp::MeshShape{1, n};
   job.heartbeat_timeout = absl::Seconds(300);
   job.state_dir = options.state_dir;
   hsdp::coordinator::ServerOptions server_options;
