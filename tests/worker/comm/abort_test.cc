@@ -134,9 +134,11 @@ TEST_P(AbortTest, PeerWaitingOnAnAbortedRankFailsFast) {
 // timeout.
 TEST_P(AbortTest, KilledPeerProcessFailsTheSurvivorFast) {
   constexpr int kWorld = 2;
+  // A fresh store per run: --gtest_repeat must not find the last run's keys.
+  static int runs = 0;
   const std::string dir =
       absl::StrCat(::testing::TempDir(), "/hsdp_kill_", GetParam().backend, "_",
-                   GetParam().op, "_", getpid());
+                   GetParam().op, "_", getpid(), "_", runs++);
   absl::StatusOr<FileStore> store = FileStore::Open(dir);
   ASSERT_TRUE(store.ok()) << store.status();
   hsdp::testing::Subprocess child({HSDP_COMM_PEER_PROCESS_BIN, dir, "kill", "1",
