@@ -90,7 +90,8 @@ FusionSets FusionSetsOf(const hsdp::v1::StepSchedule& schedule,
 class StepWalk {
  public:
   StepWalk(const std::vector<int64_t>& unit_bytes, FusionSets fusion,
-           MemoryBreakdown steady, const MemoryModel::Options& options)
+           MemoryBreakdown steady, const MemoryModel::Options& options,
+           int host_group_size)
       : bytes_(unit_bytes),
         fusion_(std::move(fusion)),
         steady_(steady),
@@ -99,6 +100,11 @@ class StepWalk {
         grads_(unit_bytes.size(), false),
         forwarded_(unit_bytes.size(), false),
         done_(unit_bytes.size(), false),
+        host_shard_(unit_bytes.size(), false),
+        host_group_size_(host_group_size > 1 &&
+                                 options.shard_size % host_group_size == 0
+                             ? host_group_size
+                             : 0),
         peak_(steady) {
     for (size_t i = 0; i < bytes_.size(); ++i) {
       largest_ = std::max(largest_, SetBytes(fusion_.gather[i]));
@@ -115,14 +121,37 @@ class StepWalk {
   bool unsharded(int unit) const {
     return options_.shard_size == 1 || unsharded_[unit];
   }
+  // Hierarchical reshard: a unit resharded after forward keeps its host
+  // shard (its padded shard times shard_size / host_group_size) until it is
+  // gathered again.
+  void ReshardAfterForward(int unit) {
+    SetUnsharded(unit, false);
+    if (host_group_size_ > 0 && bytes_[unit] > 0) SetHostShard(unit, true);
+  }
+  void SetHostShard(int unit, bool alive) {
+    if (host_shard_[unit] == alive) return;
+    host_shard_[unit] = alive;
+    const int64_t bytes = ShardedBytes(bytes_[unit], options_.shard_size) *
+                          (options_.shard_size / host_group_size_);
+    unsharded_sum_ += alive ? bytes : -bytes;
+  }
   // The engine's Unshard: a sharded unit is gathered with the members of its
   // fusion group the pass still needs (in forward: not entered yet; in
-  // backward: its backward not finished).
+  // backward: its backward not finished); one that kept a host shard is
+  // gathered alone, over its host group.
   void Gather(int unit, bool backward) {
     if (unsharded(unit)) return;
+    if (host_shard_[unit]) {
+      SetHostShard(unit, false);
+      SetUnsharded(unit, true);
+      return;
+    }
     for (int m : fusion_.gather[unit]) {
-      if (m == unit || (backward ? forwarded_[m] && !done_[m] : !forwarded_[m]))
+      if (m == unit ||
+          (backward ? forwarded_[m] && !done_[m] : !forwarded_[m])) {
+        SetHostShard(m, false);
         SetUnsharded(m, true);
+      }
     }
   }
   void MarkForwarded(int unit) { forwarded_[unit] = true; }
@@ -163,6 +192,7 @@ class StepWalk {
   void ClearUnsharded() {
     for (int i = 0; i < static_cast<int>(bytes_.size()); ++i) {
       SetUnsharded(i, false);
+      SetHostShard(i, false);
     }
   }
 
@@ -206,6 +236,8 @@ class StepWalk {
   std::vector<bool> grads_;
   std::vector<bool> forwarded_;
   std::vector<bool> done_;
+  std::vector<bool> host_shard_;
+  const int host_group_size_;
   int64_t largest_ = 0;
   int64_t unsharded_sum_ = 0;
   int64_t grads_sum_ = 0;
@@ -255,7 +287,7 @@ MemoryBreakdown MemoryModel::PredictPeak(const hsdp::v1::StepSchedule& schedule,
   activations[0] = activation_bytes - activation_bytes / n * (n - 1);
 
   StepWalk walk(unit_bytes_, FusionSetsOf(schedule, unit_bytes_, options_),
-                Steady(), options_);
+                Steady(), options_, schedule.post_forward_group_size());
   const std::vector<hsdp::v1::MicrobatchSchedule> microbatches =
       MicrobatchesOf(schedule);
   for (size_t k = 0; k < microbatches.size(); ++k) {
@@ -272,11 +304,11 @@ MemoryBreakdown MemoryModel::PredictPeak(const hsdp::v1::StepSchedule& schedule,
       walk.Sample();
       if (i == 0) continue;
       walk.AddActivations(activations[i]);
-      if (units[i].reshard_after_forward) walk.SetUnsharded(i, false);
+      if (units[i].reshard_after_forward) walk.ReshardAfterForward(i);
     }
     walk.AddActivations(activations[0]);
     walk.Sample();
-    if (units[0].reshard_after_forward) walk.SetUnsharded(0, false);
+    if (units[0].reshard_after_forward) walk.ReshardAfterForward(0);
     // Backward: the root's pre-backward first, then the blocks in reverse.
     for (int pos = 0; pos < n; ++pos) {
       const int i = pos == 0 ? 0 : n - pos;

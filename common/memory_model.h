@@ -26,6 +26,9 @@
 //   once its last member's backward is over, the members' unsharded
 //   gradients alive until then (reduce-scatters fuse on the segments path,
 //   or with at most two shards, as in the engine);
+// - hierarchical reshard (StepSchedule.post_forward_group_size = k > 1): a
+//   unit resharded after forward keeps S/k of its padded shards (counted
+//   with the unsharded parameters) until it is gathered again, alone;
 // - communication buffers: the segments path (CPU transports) receives
 //   straight into the unsharded parameters and needs scratch for the peers'
 //   contributions to one reduce-scatter ((S-1)/S of the unit or group, plus

@@ -119,4 +119,26 @@ int64_t ShardedBytes(int64_t bytes, int shard) {
   return (bytes + shard - 1) / shard;
 }
 
+int HostGroupSize(int shard, const std::vector<std::string>& hosts_by_rank) {
+  const int world = static_cast<int>(hosts_by_rank.size());
+  if (shard < 4 || world == 0 || world % shard != 0) return 0;
+  for (const std::string& host : hosts_by_rank) {
+    if (host.empty()) return 0;
+  }
+  // The first shard group's first run sets the size; every run must match.
+  int k = 1;
+  while (k < shard && hosts_by_rank[k] == hosts_by_rank[0]) ++k;
+  if (k == 1 || k == shard || shard % k != 0) return 0;
+  for (int first = 0; first < world; first += k) {
+    for (int r = first; r < first + k; ++r) {
+      if (hosts_by_rank[r] != hosts_by_rank[first]) return 0;
+    }
+    // A run ends where its host does, unless a shard group ends there.
+    if ((first + k) % shard != 0 &&
+        hosts_by_rank[first + k] == hosts_by_rank[first])
+      return 0;
+  }
+  return k;
+}
+
 }  // namespace hsdp

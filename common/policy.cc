@@ -375,6 +375,9 @@ std::string DescribePolicy(const Policy& policy) {
                       ? std::string("off")
                       : absl::StrCat(r.comm_fusion_bucket_bytes()),
                   mark(r.comm_fusion_bucket_bytes() == 0), "\n");
+  absl::StrAppend(&out, "reshard_after_forward_within_host: ",
+                  BoolText(r.reshard_after_forward_within_host()),
+                  mark(!r.reshard_after_forward_within_host()), "\n");
   for (const auto& o : r.overrides()) {
     std::vector<std::string> flags;
     if (o.has_reshard_after_forward()) {

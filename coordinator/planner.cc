@@ -107,6 +107,7 @@ CollectiveCounts CountCollectives(const StepSchedule& schedule,
   CollectiveCounts counts;
   const int n = schedule.units_size();
   const int m = std::max(1, schedule.microbatches_size());
+  const bool host_group = schedule.post_forward_group_size() > 1;
   // The units whose collectives go out together: a fusion group, or one unit.
   std::vector<std::vector<int>> sets;
   std::vector<bool> fused(static_cast<size_t>(n), false);
@@ -126,12 +127,17 @@ CollectiveCounts CountCollectives(const StepSchedule& schedule,
       // Forward: every unit is sharded when a step starts; later microbatches
       // find it sharded only if the previous backward resharded it. The
       // first member a forward needs to gather gathers every member still
-      // sharded; backward likewise for those resharded after forward.
+      // sharded; backward likewise for those resharded after forward, unless
+      // they kept a host shard: those gather it alone over the host group.
       bool forward_gather = false, backward_gather = false;
       for (int i : set) {
         const hsdp::v1::UnitSchedule& u = schedule.units(i);
         forward_gather = forward_gather || k == 0 || u.reshard_after_backward();
-        backward_gather = backward_gather || u.reshard_after_forward();
+        if (u.reshard_after_forward() && host_group) {
+          ++counts.host_all_gathers;
+        } else {
+          backward_gather = backward_gather || u.reshard_after_forward();
+        }
         if (sync && all_reduce && replicate_size > 1) ++counts.all_reduces;
       }
       counts.all_gathers +=
@@ -189,6 +195,9 @@ StepSchedule Planner::PlanManual(const Policy& resolved,
   schedule.set_step(input.step);
   schedule.set_policy_version(input.policy_version);
   schedule.set_generation(input.generation);
+  if (resolved.reshard_after_forward_within_host() && host_group_size_ > 1) {
+    schedule.set_post_forward_group_size(host_group_size_);
+  }
 
   const int m =
       input.microbatches > 0 ? input.microbatches : resolved.microbatches();

@@ -31,6 +31,9 @@
 //   depend on the mesh: with one replica the engine's all-reduce is a no-op.
 // - checkpoint = (checkpoint_interval > 0 &&
 //   (step + 1) % checkpoint_interval == 0) || a checkpoint was requested.
+// - post_forward_group_size = the generation's host group size
+//   (SetHostGroupSize) when reshard_after_forward_within_host and it is
+//   above 1, else 0.
 // - fusion_groups (comm_fusion_bucket_bytes > 0): consecutive units in index
 //   order, first fit, whose gathered bytes (param_bytes - replicated_bytes)
 //   add up to at most the bucket; a unit with none, or over the bucket
@@ -150,6 +153,10 @@ struct CollectiveCounts {
   int64_t all_gathers = 0;
   int64_t reduce_scatters = 0;
   int64_t all_reduces = 0;
+  // Hierarchical reshard (post_forward_group_size > 1): the backward
+  // all-gathers over the host group, one per unit resharded after forward
+  // (never fused), instead of its shard group's.
+  int64_t host_all_gathers = 0;
 };
 CollectiveCounts CountCollectives(const hsdp::v1::StepSchedule& schedule,
                                   int replicate_size);
@@ -193,6 +200,10 @@ class Planner {
   // Apply to steps planned from now on.
   void SetLinks(const LinkCosts& links) { links_ = links; }
   void SetShardGroupsCrossHosts(bool cross) { cross_hosts_ = cross; }
+  // The generation's hsdp.v1.Generation.host_group_size (0: none). With it
+  // above 1, a policy with reshard_after_forward_within_host plans
+  // post_forward_group_size = it.
+  void SetHostGroupSize(int size) { host_group_size_ = size; }
   // The link a shard group's all-gather crosses now.
   const LinkCost& link() const {
     return cross_hosts_ ? links_.inter_host : links_.intra_host;
@@ -251,6 +262,7 @@ class Planner {
   const MemoryModel model_;
   LinkCosts links_;
   bool cross_hosts_ = false;
+  int host_group_size_ = 0;
   int64_t correction_ = 0;
   int64_t activation_bytes_ = 0;
   int64_t last_predicted_peak_ = 0;

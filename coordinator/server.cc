@@ -158,7 +158,9 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   // Restored: the generation's layout is not reported again until the next
   // one forms.
   if (!s->membership_->Status().topology_warnings.empty()) {
-    s->schedule_log_->SetShardGroupsCrossHosts(s->membership_->generation());
+    s->schedule_log_->SetShardGroupsCrossHosts(
+        s->membership_->generation(),
+        s->membership_->current_generation().host_group_size());
   }
   ScheduleFeed::Options feed_options;
   feed_options.push_ahead = options.schedule_push_ahead;

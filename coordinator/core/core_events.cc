@@ -68,8 +68,9 @@ void CoreEvents::OnGenerationFormed(const hsdp::v1::Generation& generation) {
 }
 
 void CoreEvents::OnShardGroupsAcrossHosts(
-    int64_t generation, const std::vector<std::string>& warnings) {
-  core_.schedule_log->SetShardGroupsCrossHosts(generation);
+    int64_t generation, int host_group_size,
+    const std::vector<std::string>& warnings) {
+  core_.schedule_log->SetShardGroupsCrossHosts(generation, host_group_size);
   for (const std::string& warning : warnings) {
     std::cerr << "hsdp-coordinator: generation " << generation << ": "
               << warning << "\n";

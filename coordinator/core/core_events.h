@@ -36,7 +36,8 @@ class CoreEvents final : public MembershipListener {
                          hsdp::v1::FailureCause cause) override;
   void OnGenerationFormed(const hsdp::v1::Generation& generation) override;
   void OnShardGroupsAcrossHosts(
-      int64_t generation, const std::vector<std::string>& warnings) override;
+      int64_t generation, int host_group_size,
+      const std::vector<std::string>& warnings) override;
   int64_t LastCheckpointStep() override;
   void OnStepCommitted(int64_t generation, int64_t step) override;
   void OnRecovered(const hsdp::v1::FailureRecord& failure) override;

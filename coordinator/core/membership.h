@@ -362,6 +362,10 @@ class Membership {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<int> PickOpenRankLocked(const JoinArgs& args) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The hostnames of the current generation's members by rank (empty where
+  // unknown or free).
+  std::vector<std::string> HostsByRankLocked() const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The current generation's shard groups that span hosts (none while no
   // generation runs).
   std::vector<std::string> TopologyWarningsLocked() const

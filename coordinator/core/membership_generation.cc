@@ -229,6 +229,7 @@ void Membership::FormLocked() {
 
   current_ = Current();
   current_.info = std::move(next);
+  current_.info.set_host_group_size(HostGroupSize(s, HostsByRankLocked()));
   current_.phase = Phase::kActive;
   current_.voted.assign(plan.members.size(), false);
   if (restore_step >= 0) (void)PersistCommitLocked();

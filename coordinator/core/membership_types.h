@@ -136,9 +136,11 @@ class MembershipListener {
                                  hsdp::v1::FailureCause cause) = 0;
   virtual void OnGenerationFormed(const hsdp::v1::Generation& generation) = 0;
   // `generation` formed (the open first one: once its last rank was taken)
-  // with shard groups that span hosts, one line each.
+  // with shard groups that span hosts, one line each, and its
+  // hsdp.v1.Generation.host_group_size.
   virtual void OnShardGroupsAcrossHosts(
-      int64_t /*generation*/, const std::vector<std::string>& /*warnings*/) {}
+      int64_t /*generation*/, int /*host_group_size*/,
+      const std::vector<std::string>& /*warnings*/) {}
   virtual void OnStepCommitted(int64_t generation, int64_t step) = 0;
   // The first step after a failure committed: the failure's cost is known.
   virtual void OnRecovered(const hsdp::v1::FailureRecord& failure) = 0;

@@ -60,22 +60,28 @@ absl::StatusOr<int> Membership::PickOpenRankLocked(const JoinArgs& args) const {
   return absl::InternalError("the open generation has no free rank");
 }
 
-std::vector<std::string> Membership::TopologyWarningsLocked() const {
-  if (current_.phase == Phase::kNone) return {};
+std::vector<std::string> Membership::HostsByRankLocked() const {
   std::vector<std::string> hosts;
   hosts.reserve(current_.info.worker_ids_size());
   for (const int64_t id : current_.info.worker_ids()) {
     const Worker* w = id != 0 ? FindLocked(id) : nullptr;
     hosts.push_back(w != nullptr ? w->hostname : std::string());
   }
-  return ShardGroupsAcrossHosts(current_.info.mesh().shard(), hosts);
+  return hosts;
+}
+
+std::vector<std::string> Membership::TopologyWarningsLocked() const {
+  if (current_.phase == Phase::kNone) return {};
+  return ShardGroupsAcrossHosts(current_.info.mesh().shard(),
+                                HostsByRankLocked());
 }
 
 void Membership::ReportTopologyLocked() {
   if (listener_ == nullptr) return;
   const std::vector<std::string> warnings = TopologyWarningsLocked();
   if (!warnings.empty()) {
-    listener_->OnShardGroupsAcrossHosts(current_.info.generation(), warnings);
+    listener_->OnShardGroupsAcrossHosts(
+        current_.info.generation(), current_.info.host_group_size(), warnings);
   }
 }
 
@@ -231,6 +237,10 @@ absl::StatusOr<JoinResult> Membership::Join(const JoinArgs& args) {
   }
   const int64_t id = w.id;
   workers_[id] = std::move(w);
+  if (formed_open) {
+    current_.info.set_host_group_size(
+        HostGroupSize(options_.mesh.shard, HostsByRankLocked()));
+  }
   Worker& joined = workers_[id];
   AddEventLocked(joined, hsdp::v1::WORKER_EVENT_KIND_JOINED,
                  absl::StrCat("host ", args.hostname));

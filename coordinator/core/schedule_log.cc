@@ -188,7 +188,11 @@ absl::Status ScheduleLog::BeginGenerationLocked(
   }
   current_ = context;
   cross_hosts_ = false;
-  if (planner_ != nullptr) planner_->SetShardGroupsCrossHosts(false);
+  host_group_size_ = 0;
+  if (planner_ != nullptr) {
+    planner_->SetShardGroupsCrossHosts(false);
+    planner_->SetHostGroupSize(0);
+  }
   generation_starts_.push_back(context);
   TruncateLocked(context.start_step);
   completed_.assign(context.world_size, context.start_step - 1);
@@ -201,11 +205,16 @@ absl::Status ScheduleLog::BeginGenerationLocked(
   return PersistLocked();
 }
 
-void ScheduleLog::SetShardGroupsCrossHosts(int64_t generation) {
+void ScheduleLog::SetShardGroupsCrossHosts(int64_t generation,
+                                           int host_group_size) {
   absl::MutexLock lock(&mu_);
   if (generation != current_.generation) return;
   cross_hosts_ = true;
-  if (planner_ != nullptr) planner_->SetShardGroupsCrossHosts(true);
+  host_group_size_ = host_group_size;
+  if (planner_ != nullptr) {
+    planner_->SetShardGroupsCrossHosts(true);
+    planner_->SetHostGroupSize(host_group_size);
+  }
 }
 
 std::unique_ptr<Planner> ScheduleLog::NewPlannerLocked(
@@ -213,6 +222,7 @@ std::unique_ptr<Planner> ScheduleLog::NewPlannerLocked(
   auto planner = std::make_unique<Planner>(units, MemoryOptions());
   planner->SetLinks(options_.links);
   planner->SetShardGroupsCrossHosts(cross_hosts_);
+  planner->SetHostGroupSize(host_group_size_);
   return planner;
 }
 

@@ -132,9 +132,12 @@ class ScheduleLog {
   ~ScheduleLog();
 
   // Generation `generation`'s shard groups span hosts: its steps sealed from
-  // now on are planned for the inter-host link. A new generation starts
-  // without (its formation says so again). Other generations are ignored.
-  void SetShardGroupsCrossHosts(int64_t generation) ABSL_LOCKS_EXCLUDED(mu_);
+  // now on are planned for the inter-host link, and with its host groups
+  // (hsdp.v1.Generation.host_group_size; 0: none) for hierarchical reshard.
+  // A new generation starts without either (its formation says so again).
+  // Other generations are ignored.
+  void SetShardGroupsCrossHosts(int64_t generation, int host_group_size)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   // Sets the job's unit list (once the first worker joined; also restored from
   // the store's units when present). Setting the same list again is a no-op; a
@@ -273,6 +276,7 @@ class ScheduleLog {
   std::vector<PolicyInfo> policies_ ABSL_GUARDED_BY(mu_);
   // The current generation's shard groups span hosts.
   bool cross_hosts_ ABSL_GUARDED_BY(mu_) = false;
+  int host_group_size_ ABSL_GUARDED_BY(mu_) = 0;
   std::unique_ptr<Planner> planner_ ABSL_GUARDED_BY(mu_);
   // Steps [0, next_unsealed_) are sealed. Sealing holds mu_ (planning,
   // persisting) and appends under sealed_mu_ too, so reads of sealed steps only

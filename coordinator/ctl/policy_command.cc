@@ -29,6 +29,7 @@ struct PolicySetOptions {
   std::optional<int64_t> memory_budget;
   std::string batch_mode;
   std::optional<int64_t> comm_fusion_bucket;
+  std::string reshard_within_host;
 };
 
 absl::StatusOr<bool> ParseBool(const std::string& flag,
@@ -86,6 +87,11 @@ absl::Status ApplyPolicyFlags(const PolicySetOptions& o,
   if (o.memory_budget) policy->set_memory_budget_bytes(*o.memory_budget);
   if (o.comm_fusion_bucket) {
     policy->set_comm_fusion_bucket_bytes(*o.comm_fusion_bucket);
+  }
+  if (!o.reshard_within_host.empty()) {
+    HSDP_ASSIGN_OR_RETURN(const bool within, ParseBool("--reshard-within-host",
+                                                       o.reshard_within_host));
+    policy->set_reshard_after_forward_within_host(within);
   }
   // CLI11 already restricted both to "last" or "every".
   if (!o.grad_sync.empty()) {
@@ -171,6 +177,10 @@ void AddPolicyCommands(CLI::App& app, std::vector<Command>& commands) {
       "--comm-fusion-bucket", ps->comm_fusion_bucket,
       "Bytes: consecutive units up to this size share their collectives "
       "(0: no fusion)");
+  policy_set->add_option(
+      "--reshard-within-host", ps->reshard_within_host,
+      "true|false: where shard groups span hosts, keep each unit sharded "
+      "over its host after forward, so backward gathers stay in the host");
   commands.push_back({policy_get, PolicyGet});
   commands.push_back(
       {policy_set,

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "coordinator/ctl/command.h"
 #include "coordinator/ctl/format.h"
@@ -34,7 +35,12 @@ absl::Status Schedule(ControlClient& client, const GlobalOptions& g,
             << absl::AsciiStrToLower(ShortEnum(
                    hsdp::v1::BatchMode_Name(sched.batch_mode()), "BATCH_MODE_"))
             << "  microbatches " << sched.global_microbatches() << " from #"
-            << sched.first_microbatch() << "\n";
+            << sched.first_microbatch()
+            << (sched.post_forward_group_size() > 0
+                    ? absl::StrCat("  after forward: sharded within hosts of ",
+                                   sched.post_forward_group_size(), " ranks")
+                    : std::string())
+            << "\n";
         Table mb({"MICROBATCH", "GRAD_SYNC", "ALL_REDUCE", "LAST_BACKWARD"});
         for (int i = 0; i < sched.microbatches_size(); ++i) {
           const auto& m = sched.microbatches(i);

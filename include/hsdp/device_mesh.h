@@ -7,7 +7,11 @@
 //   replicate group  the `replicate` ranks with its shard_index (HSDP
 //                    all-reduce).
 // A group of size 1 still gets a communicator so the engine need not
-// special-case it.
+// special-case it. Optionally a third:
+//   host group       the run of consecutive ranks of its shard group that
+//                    shares its host, where the shard group spans hosts in
+//                    equal runs (hierarchical reshard gathers over it;
+//                    fsdp::MeshComms::host).
 #ifndef HSDP_DEVICE_MESH_H_
 #define HSDP_DEVICE_MESH_H_
 
@@ -36,7 +40,7 @@ using MeshShape = ::hsdp::MeshShape;
 
 // One communication group as the factory sees it.
 struct GroupSpec {
-  std::string kind;    // "shard" or "replicate"
+  std::string kind;    // "shard", "replicate" or "host"
   std::string prefix;  // store prefix, distinct per group
   int rank = 0;        // this rank's index within the group
   int size = 1;        // group size
@@ -45,8 +49,8 @@ struct GroupSpec {
 };
 
 // Creates the communicator of one group for this rank (Gloo, NCCL, ...). Called
-// twice per rank, shard group first, then replicate group, on every rank in the
-// same order.
+// for the shard group first, then the replicate group, then (where there is
+// one) the host group, on every rank in the same order.
 using CommunicatorFactory =
     std::function<absl::StatusOr<std::unique_ptr<Communicator>>(
         const GroupSpec& group)>;
@@ -70,14 +74,21 @@ class DeviceMesh {
  public:
   // Builds this rank's groups with `factory`; group prefixes are
   // "<prefix>/shard/<replicate index>" and "<prefix>/replicate/<shard index>".
+  // With a `host_id` (the host this rank runs on, as it reports it to the
+  // coordinator) and a shard group of four or more ranks, the shard group
+  // all-gathers a hash of each rank's host id once it is built; where its
+  // ranks lie on hosts in equal runs (HostGroupSize, hsdp/mesh.h) each run
+  // gets a host group, prefix "<prefix>/host/<rank / run length>". One
+  // small collective per mesh; the coordinator finds the same runs from the
+  // same host ids.
   static absl::StatusOr<std::unique_ptr<DeviceMesh>> Create(
       const MeshShape& shape, int rank, const std::string& prefix,
-      const CommunicatorFactory& factory);
+      const CommunicatorFactory& factory, const std::string& host_id = "");
   // Convenience: a Gloo mesh with its own tcp device.
   static absl::StatusOr<std::unique_ptr<DeviceMesh>> CreateGloo(
       const MeshShape& shape, int rank, Store& store, const std::string& prefix,
       const GlooDeviceOptions& device_options, absl::Duration timeout,
-      bool shared_memory = true);
+      bool shared_memory = true, const std::string& host_id = "");
 
   DeviceMesh(const DeviceMesh&) = delete;
   DeviceMesh& operator=(const DeviceMesh&) = delete;
@@ -92,8 +103,10 @@ class DeviceMesh {
 
   Communicator& shard() const { return *shard_; }
   Communicator& replicate() const { return *replicate_; }
+  // The host group; null when there is none.
+  Communicator* host() const { return host_.get(); }
 
-  // Aborts both communicators at once (Communicator::Abort), from any thread:
+  // Aborts every communicator at once (Communicator::Abort), from any thread:
   // the collectives of this mesh that are running or issued later fail with
   // ABORTED. Returns the first error. The mesh is dead afterwards: destroy it
   // and create the next generation's under a new prefix (any shape; in the
@@ -105,16 +118,20 @@ class DeviceMesh {
                               const std::string& prefix);
   static GroupSpec ReplicateGroup(const MeshShape& shape, int rank,
                                   const std::string& prefix);
+  static GroupSpec HostGroup(const MeshShape& shape, int rank,
+                             const std::string& prefix, int host_group_size);
 
  private:
   DeviceMesh(MeshShape shape, int rank, std::unique_ptr<Communicator> shard,
-             std::unique_ptr<Communicator> replicate);
+             std::unique_ptr<Communicator> replicate,
+             std::unique_ptr<Communicator> host);
 
   const MeshShape shape_;
   const int rank_;
-  // Destroyed replicate first, then shard (reverse of creation).
+  // Destroyed in reverse of creation: host, replicate, shard.
   std::unique_ptr<Communicator> shard_;
   std::unique_ptr<Communicator> replicate_;
+  std::unique_ptr<Communicator> host_;
 };
 
 }  // namespace hsdp::comm

@@ -116,12 +116,17 @@ class TraceRecorder;
 // How the messages of usage errors thrown inside a forward begin.
 inline constexpr char kUsageErrorPrefix[] = "hsdp engine misuse: ";
 
-// The two communicators of this rank in a replicate × shard mesh. Not owned:
+// The communicators of this rank in a replicate × shard mesh. Not owned:
 // they must outlive the Engine. `replicate` may be null or of size 1 (plain
-// FSDP).
+// FSDP). `host` (optional) is this rank's host group: the run of
+// host->size() consecutive shard ranks it belongs to (its rank in the run is
+// shard rank % host->size()), the ranks of the shard group on its host.
+// Hierarchical reshard (StepSchedule.post_forward_group_size) gathers over
+// it; a schedule that asks for it needs it.
 struct MeshComms {
   comm::Communicator* shard = nullptr;
   comm::Communicator* replicate = nullptr;
+  comm::Communicator* host = nullptr;
 };
 
 // FSDP2's MixedPrecisionPolicy. Unset dtypes mean "the parameter's own dtype".
@@ -237,6 +242,9 @@ struct UnitStats {
   // unit's bytes went out in.
   int64_t fused_all_gathers = 0;
   int64_t fused_reduce_scatters = 0;
+  // Hierarchical reshard: all-gathers over the host group from the copy kept
+  // after forward (not counted in all_gathers, which are the shard group's).
+  int64_t host_all_gathers = 0;
   // HSDP all-reduces across the replicate group (none with one replica), and
   // the replicated parameters' all-reduces (one over the shard group and one
   // over the replicate group per synchronising microbatch).
@@ -276,6 +284,7 @@ struct EngineStats {
   int64_t all_gathers = 0;
   int64_t reduce_scatters = 0;
   int64_t all_reduces = 0;
+  int64_t host_all_gathers = 0;
   // What one microbatch's forward left allocated besides the engine's own
   // bytes (the activations autograd saved, the outputs), largest over the
   // microbatches: the memory meter's growth over the root's forward minus the

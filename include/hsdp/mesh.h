@@ -91,6 +91,16 @@ RowRange ShardRowRange(int64_t dim0, int shard, int shard_index);
 // planning).
 int64_t ShardedBytes(int64_t bytes, int shard);
 
+// The host group size of ranks laid out on hosts (hierarchical reshard): the
+// k with 1 < k < shard and shard % k == 0 such that every run of k
+// consecutive ranks (from rank 0) lies on one known host and every shard
+// group spans more than one host; 0 when there is none (shard groups inside
+// hosts, an unknown (empty) host, runs of unequal sizes). `hosts_by_rank`
+// holds whole shard groups. The coordinator applies it to a generation
+// (hsdp.v1.Generation.host_group_size), each rank to its own shard group
+// (DeviceMesh), with the same result where the coordinator finds one.
+int HostGroupSize(int shard, const std::vector<std::string>& hosts_by_rank);
+
 }  // namespace hsdp
 
 #endif  // HSDP_MESH_H_

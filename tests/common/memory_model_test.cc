@@ -101,6 +101,29 @@ TEST(MemoryModelTest, DefaultScheduleHandComputed) {
   EXPECT_EQ(peak.Total(), 2875);
 }
 
+// Hierarchical reshard on S = 4 in host groups of 2: each block keeps 2 of
+// its 4 shards (50 bytes) from its forward until it is gathered again. With
+// activations large enough to put the peak at layers.2's pre-backward
+// (25000 per unit, none released yet): the root, layers.2 (prefetched
+// there) and layers.1 unsharded (600), plus layers.0's host shard (50); the
+// gradients of the root and layers.2 (500) either way.
+TEST(MemoryModelTest, HostShardsLiveFromForwardToTheirGather) {
+  const MemoryModel model(Units(), Mesh(4));
+  hsdp::v1::StepSchedule within = DefaultSchedule();
+  within.set_post_forward_group_size(2);
+  const MemoryBreakdown plain = model.PredictPeak(DefaultSchedule(), 100000);
+  const MemoryBreakdown host = model.PredictPeak(within, 100000);
+  EXPECT_EQ(plain.activations, 100000);
+  EXPECT_EQ(host.activations, 100000);
+  EXPECT_EQ(plain.unsharded_params, 600);
+  EXPECT_EQ(host.unsharded_params, 650);
+  EXPECT_EQ(plain.unsharded_grads, 500);
+  EXPECT_EQ(host.unsharded_grads, 500);
+  // A group size that does not divide the shard group is not modelled.
+  within.set_post_forward_group_size(3);
+  EXPECT_EQ(model.PredictPeak(within, 100000).Total(), plain.Total());
+}
+
 TEST(MemoryModelTest, KeepingUnitsRaisesThePeakAtTheBoundary) {
   const MemoryModel model(Units(), Mesh(2));
   hsdp::v1::StepSchedule keep = DefaultSchedule();

@@ -70,5 +70,25 @@ TEST(MeshTest, ShardArithmeticPadsDim0) {
   EXPECT_EQ(ShardedBytes(10, 3), 4);
 }
 
+// The host group: runs of equal hosts inside shard groups that span hosts.
+TEST(MeshTest, HostGroupSizeIsTheRunOfOneHostInEveryShardGroup) {
+  // 1x4 over two hosts of two ranks, 2x4 over four, 1x8 over two of four.
+  EXPECT_EQ(HostGroupSize(4, {"a", "a", "b", "b"}), 2);
+  EXPECT_EQ(HostGroupSize(4, {"a", "a", "b", "b", "c", "c", "d", "d"}), 2);
+  EXPECT_EQ(HostGroupSize(8, {"a", "a", "a", "a", "b", "b", "b", "b"}), 4);
+  // A host shared by the end of one shard group and the next group's start.
+  EXPECT_EQ(HostGroupSize(4, {"a", "a", "b", "b", "b", "b", "c", "c"}), 2);
+  // Shard groups inside one host: nothing to gather within.
+  EXPECT_EQ(HostGroupSize(4, {"a", "a", "a", "a", "b", "b", "b", "b"}), 0);
+  EXPECT_EQ(HostGroupSize(2, {"a", "b"}), 0);
+  // One rank per host, runs of unequal sizes, interleaved or unknown hosts.
+  EXPECT_EQ(HostGroupSize(4, {"a", "b", "c", "d"}), 0);
+  EXPECT_EQ(HostGroupSize(6, {"a", "a", "a", "a", "b", "b"}), 0);
+  EXPECT_EQ(HostGroupSize(4, {"a", "a", "b", "b", "c", "c", "c", "d"}), 0);
+  EXPECT_EQ(HostGroupSize(4, {"a", "a", "a", "b"}), 0);
+  EXPECT_EQ(HostGroupSize(4, {"a", "a", "", ""}), 0);
+  EXPECT_EQ(HostGroupSize(4, {}), 0);
+}
+
 }  // namespace
 }  // namespace hsdp

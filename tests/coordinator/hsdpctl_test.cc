@@ -160,13 +160,30 @@ TEST_F(HsdpctlTest, PolicySetFromFlagsAndFileAndRefusals) {
   EXPECT_NE(r.out.find("comm_fusion_bucket_bytes: 1048576"), std::string::npos)
       << r.out;
   EXPECT_NE(r.out.find("policy version 4"), std::string::npos) << r.out;
+  // Hierarchical reshard: a bad boolean is refused naming the flag (nothing
+  // sent), a good one set and shown.
+  r = Ctl({"policy", "set", "--reshard-within-host", "maybe"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("--reshard-within-host: 'maybe' is not a boolean"),
+            std::string::npos)
+      << r.err;
+  r = Ctl({"policy", "set", "--reshard-within-host=true"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  r = Ctl({"policy", "get"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("reshard_after_forward_within_host: true"),
+            std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("comm_fusion_bucket_bytes: 1048576"), std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("policy version 5"), std::string::npos) << r.out;
 
   // A file (text format) replaces the policy.
   const std::string file =
       dir_.Write("p.txt", "forward_prefetch_depth: 2\nmicrobatches: 4\n");
   r = Ctl({"--json", "policy", "set", "--file", file});
   ASSERT_EQ(r.exit_code, 0) << r.err;
-  EXPECT_NE(r.out.find("\"policy_version\":\"5\""), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("\"policy_version\":\"6\""), std::string::npos) << r.out;
 
   // Refusals change nothing: unknown field, glob matching no unit, malformed
   // file, bad bool.
@@ -192,7 +209,7 @@ TEST_F(HsdpctlTest, PolicySetFromFlagsAndFileAndRefusals) {
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_NE(r.err.find("'maybe' is not a boolean"), std::string::npos) << r.err;
   r = Ctl({"--json", "policy", "get"});
-  EXPECT_NE(r.out.find("\"policy_version\":\"5\""), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("\"policy_version\":\"6\""), std::string::npos) << r.out;
 }
 
 TEST_F(HsdpctlTest, ScheduleCheckpointAndDrain) {

@@ -208,6 +208,26 @@ TEST_F(MembershipTest, HintsWinAndACrossHostLayoutIsSaid) {
                                       "generation 0: " + warnings[1]}));
 }
 
+// Shard groups spanning hosts in equal runs: the generation carries the run
+// length (workers build their host groups from it) and the listener hears it.
+TEST_F(MembershipTest, ShardGroupsAcrossHostsInRunsGiveTheHostGroupSize) {
+  auto m = Make({1, 4});
+  const std::vector<std::string> hosts = {"a", "a", "b", "b"};
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_EQ(m->current_generation().host_group_size(), 0) << "still open";
+    ASSERT_TRUE(m->Join(Args(r, hosts[r])).ok());
+  }
+  EXPECT_EQ(HostsByRank(*m), hosts);
+  EXPECT_EQ(m->current_generation().host_group_size(), 2);
+  EXPECT_EQ(listener_.host_group_sizes, (std::vector<int>{2}));
+  // Within one host per shard group there is no host group.
+  auto inside = Make({2, 2});
+  for (const char* host : {"a", "a", "b", "b"}) {
+    ASSERT_TRUE(inside->Join(Args(std::nullopt, host)).ok());
+  }
+  EXPECT_EQ(inside->current_generation().host_group_size(), 0);
+}
+
 TEST_F(MembershipTest, UnknownWorkersAndRanks) {
   auto m = Make({1, 2});
   EXPECT_EQ(m->Heartbeat(0, 0, 0).status().code(), absl::StatusCode::kNotFound);

@@ -38,7 +38,9 @@ class RecordingListener final : public MembershipListener {
     events.push_back(absl::StrCat("formed ", generation.generation()));
   }
   void OnShardGroupsAcrossHosts(
-      int64_t generation, const std::vector<std::string>& warnings) override {
+      int64_t generation, int host_group_size,
+      const std::vector<std::string>& warnings) override {
+    host_group_sizes.push_back(host_group_size);
     for (const std::string& warning : warnings) {
       topology.push_back(
           absl::StrCat("generation ", generation, ": ", warning));
@@ -57,7 +59,9 @@ class RecordingListener final : public MembershipListener {
   // returned.
   std::vector<std::string> events;
   std::vector<hsdp::v1::FailureRecord> recovered;
-  // What OnShardGroupsAcrossHosts heard, one line per shard group.
+  // What OnShardGroupsAcrossHosts heard: the host group sizes, and one line
+  // per shard group.
+  std::vector<int> host_group_sizes;
   std::vector<std::string> topology;
 };
 

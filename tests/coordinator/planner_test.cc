@@ -312,6 +312,40 @@ TEST(PlannerTest, CountCollectivesCountsAFusionGroupOnce) {
   EXPECT_EQ(c.reduce_scatters, 3);
 }
 
+// Hierarchical reshard: planned only where the generation has host groups
+// and the policy asks; each block resharded after forward then gathers over
+// its host group in backward, alone, instead of over the shard group.
+TEST(PlannerTest, ReshardWithinHostNeedsHostGroupsAndMovesBackwardGathers) {
+  Planner planner(MakeUnits(1000, {400, 400, 400, 400}), 4);
+  const Policy within = P("reshard_after_forward_within_host: true");
+  EXPECT_EQ(planner.Plan(within, {}).post_forward_group_size(), 0);
+  planner.SetHostGroupSize(2);
+  EXPECT_EQ(planner.Plan(Policy(), {}).post_forward_group_size(), 0);
+  const StepSchedule s = planner.Plan(within, {});
+  EXPECT_EQ(s.post_forward_group_size(), 2);
+  CollectiveCounts c = CountCollectives(s, 1);
+  EXPECT_EQ(c.all_gathers, 5);  // forward only
+  EXPECT_EQ(c.host_all_gathers, 4);
+  // With every unit in one fusion group and one block kept after forward:
+  // one forward gather, three host gathers, none over the shard group.
+  c = CountCollectives(planner.Plan(P(R"(reshard_after_forward_within_host: true
+                        comm_fusion_bucket_bytes: 1000000
+                        overrides { unit_glob: "layers.1" reshard_after_forward: false })"),
+                                    {}),
+                       1);
+  EXPECT_EQ(c.all_gathers, 1);
+  EXPECT_EQ(c.host_all_gathers, 3);
+  // The host shards cost memory: between the resharded and the kept plans.
+  const int64_t resharded =
+      planner.PredictPeak(planner.Plan(Policy(), {})).Total();
+  const int64_t kept =
+      planner.PredictPeak(planner.Plan(P("reshard_after_forward: false"), {}))
+          .Total();
+  const int64_t host = planner.PredictPeak(s).Total();
+  EXPECT_GT(host, resharded);
+  EXPECT_LT(host, kept);
+}
+
 // Root 400 bytes, six layers of 100, S = 2.
 UnitList BudgetUnits() {
   return MakeUnits(400, {100, 100, 100, 100, 100, 100});

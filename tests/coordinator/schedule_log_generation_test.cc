@@ -240,15 +240,42 @@ TEST(ScheduleLogGenerationTest, ShardGroupsAcrossHostsPlanForTheInterHostLink) {
   };
   const GenerationContext g0{0, 2, 0};
   EXPECT_EQ(kept(Read(**log, 0, g0)), plan(budget, false));
-  (*log)->SetShardGroupsCrossHosts(7);  // not this generation
+  (*log)->SetShardGroupsCrossHosts(7, 0);  // not this generation
   EXPECT_EQ(kept(Read(**log, 1, g0)), plan(budget, false));
-  (*log)->SetShardGroupsCrossHosts(0);
+  (*log)->SetShardGroupsCrossHosts(0, 0);
   EXPECT_EQ(kept(Read(**log, 2, g0)), plan(budget, true));
   const GenerationContext g1{1, 2, 3};
   ASSERT_TRUE((*log)->BeginGeneration(g1).ok());
   EXPECT_EQ(kept(Read(**log, 3, g1)), plan(budget, false));
-  (*log)->SetShardGroupsCrossHosts(1);
+  (*log)->SetShardGroupsCrossHosts(1, 0);
   EXPECT_EQ(kept(Read(**log, 4, g1)), plan(budget, true));
+}
+
+// Hierarchical reshard follows the generation's host groups: a policy that
+// asks for it plans post_forward_group_size only from the step after the
+// generation said its shard groups span hosts in runs of two, and a new
+// generation starts without until it says so again.
+TEST(ScheduleLogGenerationTest, ReshardWithinHostFollowsTheGenerationsHosts) {
+  hsdp::v1::Policy policy;
+  policy.set_reshard_after_forward_within_host(true);
+  ScheduleLog::Options options;
+  options.world_size = 4;
+  options.shard_size = 4;
+  options.read_ahead = 8;
+  auto log = ScheduleLog::Create(options, policy, nullptr);
+  ASSERT_TRUE(log.ok()) << log.status();
+  ASSERT_TRUE((*log)->SetUnits(MakeUnits(100, {400, 400})).ok());
+  const GenerationContext g0{0, 4, 0};
+  EXPECT_EQ(Read(**log, 0, g0).post_forward_group_size(), 0);
+  (*log)->SetShardGroupsCrossHosts(3, 2);  // not this generation
+  EXPECT_EQ(Read(**log, 1, g0).post_forward_group_size(), 0);
+  (*log)->SetShardGroupsCrossHosts(0, 2);
+  EXPECT_EQ(Read(**log, 2, g0).post_forward_group_size(), 2);
+  const GenerationContext g1{1, 4, 3};
+  ASSERT_TRUE((*log)->BeginGeneration(g1).ok());
+  EXPECT_EQ(Read(**log, 3, g1).post_forward_group_size(), 0);
+  (*log)->SetShardGroupsCrossHosts(1, 2);
+  EXPECT_EQ(Read(**log, 4, g1).post_forward_group_size(), 2);
 }
 
 }  // namespace

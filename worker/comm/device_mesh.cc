@@ -24,6 +24,43 @@ GroupSpec MakeGroupSpec(const char* kind, const std::string& prefix,
   return group;
 }
 
+// A host group lies strictly inside a shard group of at least two runs of at
+// least two ranks.
+constexpr int kMinShardsForHostGroups = 4;
+
+// FNV-1a: a hash of a host id that every process computes alike (absl::Hash
+// is seeded per process).
+uint64_t StableHash(const std::string& s) {
+  uint64_t h = 14695981039346656037ull;
+  for (const unsigned char c : s) {
+    h ^= c;
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+// The run length of `shard`'s ranks on hosts: all-gathers each rank's host id
+// hash over the group, then HostGroupSize of them.
+absl::StatusOr<int> ShardGroupHostRun(Communicator& shard,
+                                      const std::string& host_id) {
+  uint64_t mine = StableHash(host_id);
+  std::vector<uint64_t> all(static_cast<size_t>(shard.size()));
+  absl::Status s =
+      shard
+          .AllGather(Buffer{&mine, 1, DataType::kInt64},
+                     Buffer{all.data(), static_cast<int64_t>(all.size()),
+                            DataType::kInt64})
+          ->Wait();
+  if (!s.ok()) {
+    return absl::Status(
+        s.code(), absl::StrCat("exchanging host ids over the shard group: ",
+                               s.message()));
+  }
+  std::vector<std::string> hosts;
+  for (const uint64_t h : all) hosts.push_back(absl::StrCat(h));
+  return HostGroupSize(shard.size(), hosts);
+}
+
 }  // namespace
 
 GroupSpec DeviceMesh::ShardGroup(const MeshShape& shape, int rank,
@@ -40,29 +77,47 @@ GroupSpec DeviceMesh::ReplicateGroup(const MeshShape& shape, int rank,
                        coord.replicate_index, ReplicateGroupRanks(shape, rank));
 }
 
+GroupSpec DeviceMesh::HostGroup(const MeshShape& /*shape*/, int rank,
+                                const std::string& prefix,
+                                int host_group_size) {
+  const int first = rank - rank % host_group_size;
+  std::vector<int> ranks;
+  for (int r = first; r < first + host_group_size; ++r) ranks.push_back(r);
+  return MakeGroupSpec("host", prefix, rank / host_group_size,
+                       rank % host_group_size, std::move(ranks));
+}
+
 DeviceMesh::DeviceMesh(MeshShape shape, int rank,
                        std::unique_ptr<Communicator> shard,
-                       std::unique_ptr<Communicator> replicate)
+                       std::unique_ptr<Communicator> replicate,
+                       std::unique_ptr<Communicator> host)
     : shape_(shape),
       rank_(rank),
       shard_(std::move(shard)),
-      replicate_(std::move(replicate)) {}
+      replicate_(std::move(replicate)),
+      host_(std::move(host)) {}
 
 absl::Status DeviceMesh::Abort(absl::string_view reason) const {
-  // Both at once: an Abort returns only when its running collective stopped,
-  // and a collective of one group may wait on a peer that waits in the other
-  // group, so aborting one after the other could hold the second group's
+  // All at once: an Abort returns only when its running collective stopped,
+  // and a collective of one group may wait on a peer that waits in another
+  // group, so aborting one after the other could hold a later group's
   // waiter until its timeout.
   absl::Status replicate;
+  absl::Status host;
   std::thread replicate_abort([&] { replicate = replicate_->Abort(reason); });
+  std::thread host_abort([&] {
+    if (host_ != nullptr) host = host_->Abort(reason);
+  });
   const absl::Status shard = shard_->Abort(reason);
   replicate_abort.join();
-  return shard.ok() ? replicate : shard;
+  host_abort.join();
+  if (!shard.ok()) return shard;
+  return replicate.ok() ? host : replicate;
 }
 
 absl::StatusOr<std::unique_ptr<DeviceMesh>> DeviceMesh::Create(
     const MeshShape& shape, int rank, const std::string& prefix,
-    const CommunicatorFactory& factory) {
+    const CommunicatorFactory& factory, const std::string& host_id) {
   if (shape.replicate < 1 || shape.shard < 1 || rank < 0 ||
       rank >= shape.world_size()) {
     return absl::InvalidArgumentError(
@@ -78,8 +133,21 @@ absl::StatusOr<std::unique_ptr<DeviceMesh>> DeviceMesh::Create(
   absl::StatusOr<std::unique_ptr<Communicator>> replicate =
       factory(ReplicateGroup(shape, rank, prefix));
   if (!replicate.ok()) return replicate.status();
-  return std::unique_ptr<DeviceMesh>(
-      new DeviceMesh(shape, rank, *std::move(shard), *std::move(replicate)));
+  int host_group_size = 0;
+  if (!host_id.empty() && shape.shard >= kMinShardsForHostGroups) {
+    absl::StatusOr<int> size = ShardGroupHostRun(**shard, host_id);
+    if (!size.ok()) return size.status();
+    host_group_size = *size;
+  }
+  std::unique_ptr<Communicator> host;
+  if (host_group_size > 0) {
+    absl::StatusOr<std::unique_ptr<Communicator>> made =
+        factory(HostGroup(shape, rank, prefix, host_group_size));
+    if (!made.ok()) return made.status();
+    host = *std::move(made);
+  }
+  return std::unique_ptr<DeviceMesh>(new DeviceMesh(
+      shape, rank, *std::move(shard), *std::move(replicate), std::move(host)));
 }
 
 CommunicatorFactory GlooCommunicatorFactory(
@@ -114,13 +182,14 @@ CommunicatorFactory GlooCommunicatorFactory(
 absl::StatusOr<std::unique_ptr<DeviceMesh>> DeviceMesh::CreateGloo(
     const MeshShape& shape, int rank, Store& store, const std::string& prefix,
     const GlooDeviceOptions& device_options, absl::Duration timeout,
-    bool shared_memory) {
+    bool shared_memory, const std::string& host_id) {
   absl::StatusOr<std::shared_ptr<gloo::transport::Device>> device =
       CreateGlooDevice(device_options);
   if (!device.ok()) return device.status();
   return Create(shape, rank, prefix,
                 GlooCommunicatorFactory(store, *std::move(device), timeout,
-                                        shared_memory));
+                                        shared_memory),
+                host_id);
 }
 
 }  // namespace hsdp::comm

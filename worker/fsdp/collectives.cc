@@ -64,16 +64,39 @@ void AllGatherCopyIn(const std::vector<ShardedParam*>& params,
 }
 
 void AllGatherCopyOut(const at::Tensor& output,
-                      const std::vector<ShardedParam*>& params) {
+                      const std::vector<ShardedParam*>& params,
+                      int shards_per_piece) {
   at::NoGradGuard no_grad;
-  const int64_t size = params.empty() ? 1 : params.front()->layout_size();
+  const int64_t size =
+      params.empty() ? 1 : params.front()->layout_size() / shards_per_piece;
   const at::Tensor chunks = output.view({size, -1});
   int64_t offset = 0;
   for (const ShardedParam* p : params) {
+    const int64_t piece = p->shard_numel() * shards_per_piece;
     p->unsharded_padded()
-        .view({size, p->shard_numel()})
-        .copy_(chunks.narrow(1, offset, p->shard_numel()));
-    offset += p->shard_numel();
+        .view({size, piece})
+        .copy_(chunks.narrow(1, offset, piece));
+    offset += piece;
+  }
+}
+
+int64_t HostShardNumel(const std::vector<ShardedParam*>& params,
+                       int host_size) {
+  int64_t numel = 0;
+  for (const ShardedParam* p : params)
+    numel += p->shard_numel() * (p->layout_size() / host_size);
+  return numel;
+}
+
+void CopyHostShard(const std::vector<ShardedParam*>& params, int host_rank,
+                   int host_size, const at::Tensor& host_shard) {
+  at::NoGradGuard no_grad;
+  int64_t offset = 0;
+  for (const ShardedParam* p : params) {
+    const int64_t piece = p->shard_numel() * (p->layout_size() / host_size);
+    host_shard.narrow(0, offset, piece)
+        .copy_(p->unsharded_padded().view({host_size, piece})[host_rank]);
+    offset += piece;
   }
 }
 
@@ -160,6 +183,38 @@ absl::Status StartAllGatherFlat(const std::vector<ShardedParam*>& params,
   return absl::OkStatus();
 }
 
+namespace {
+
+// Sends inputs[i] and receives every rank's piece of params[i] (as many
+// elements) straight into its unsharded storage, rank r's at r * piece.
+absl::Status StartPieceGather(const std::vector<at::Tensor>& inputs,
+                              const std::vector<ShardedParam*>& params,
+                              comm::Communicator& group,
+                              AllGatherState& state) {
+  const int size = group.size();
+  std::vector<comm::Buffer> in_buffers;
+  std::vector<std::vector<comm::Buffer>> outputs(static_cast<size_t>(size));
+  for (size_t i = 0; i < params.size(); ++i) {
+    absl::StatusOr<comm::Buffer> in = ToBuffer(inputs[i]);
+    if (!in.ok()) return in.status();
+    absl::StatusOr<comm::Buffer> out = ToBuffer(params[i]->unsharded_padded());
+    if (!out.ok()) return out.status();
+    in_buffers.push_back(*in);
+    const int64_t n = in->count;
+    for (int r = 0; r < size; ++r) {
+      comm::Buffer piece = *out;
+      piece.data = static_cast<char*>(out->data) +
+                   r * n * static_cast<int64_t>(comm::ElementSize(out->dtype));
+      piece.count = n;
+      outputs[r].push_back(piece);
+    }
+  }
+  state.work = group.AllGatherSegments(in_buffers, outputs);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::Status StartAllGatherSegments(const std::vector<ShardedParam*>& params,
                                     comm::Communicator& group,
                                     FlatBufferPool& pool,
@@ -175,28 +230,38 @@ absl::Status StartAllGatherSegments(const std::vector<ShardedParam*>& params,
     state.input = pool.Acquire(FlatChunkNumel(params), options);
     AllGatherCopyIn(params, state.input);
   }
-  const int size = group.size();
-  std::vector<comm::Buffer> inputs;
-  std::vector<std::vector<comm::Buffer>> outputs(static_cast<size_t>(size));
+  std::vector<at::Tensor> inputs;
   int64_t offset = 0;
   for (const ShardedParam* p : params) {
     const int64_t n = p->shard_numel();
-    absl::StatusOr<comm::Buffer> in =
-        ToBuffer(cast ? state.input.narrow(0, offset, n) : p->sharded_padded());
-    if (!in.ok()) return in.status();
-    absl::StatusOr<comm::Buffer> out = ToBuffer(p->unsharded_padded());
-    if (!out.ok()) return out.status();
-    inputs.push_back(*in);
-    for (int r = 0; r < size; ++r) {
-      comm::Buffer piece = *out;
-      piece.data = static_cast<char*>(out->data) +
-                   r * n * static_cast<int64_t>(comm::ElementSize(out->dtype));
-      piece.count = n;
-      outputs[r].push_back(piece);
-    }
+    inputs.push_back(cast ? state.input.narrow(0, offset, n)
+                          : p->sharded_padded());
     offset += n;
   }
-  state.work = group.AllGatherSegments(inputs, outputs);
+  return StartPieceGather(inputs, params, group, state);
+}
+
+absl::Status StartHostAllGather(const std::vector<ShardedParam*>& params,
+                                const at::Tensor& host_shard,
+                                comm::Communicator& group, FlatBufferPool& pool,
+                                AllGatherState& state) {
+  const int host_size = group.size();
+  std::vector<at::Tensor> inputs;
+  int64_t offset = 0;
+  for (const ShardedParam* p : params) {
+    const int64_t piece = p->shard_numel() * (p->layout_size() / host_size);
+    inputs.push_back(host_shard.narrow(0, offset, piece));
+    offset += piece;
+  }
+  if (group.SupportsSegments())
+    return StartPieceGather(inputs, params, group, state);
+  // One contiguous buffer (NCCL): k host shards, copied out on completion.
+  state.output = pool.Acquire(offset * host_size, host_shard.options());
+  absl::StatusOr<comm::Buffer> in = ToBuffer(host_shard);
+  if (!in.ok()) return in.status();
+  absl::StatusOr<comm::Buffer> out = ToBuffer(state.output);
+  if (!out.ok()) return out.status();
+  state.work = group.AllGather(*in, *out);
   return absl::OkStatus();
 }
 

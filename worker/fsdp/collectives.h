@@ -105,9 +105,29 @@ int64_t FlatChunkNumel(const std::vector<ShardedParam*>& params);
 void AllGatherCopyIn(const std::vector<ShardedParam*>& params,
                      const at::Tensor& flat);
 // Scatters the all-gather output (S chunks) into each parameter's unsharded
-// storage.
+// storage. With `shards_per_piece` m > 1: the output of a host-group
+// all-gather, S/m host shards (below).
 void AllGatherCopyOut(const at::Tensor& output,
-                      const std::vector<ShardedParam*>& params);
+                      const std::vector<ShardedParam*>& params,
+                      int shards_per_piece = 1);
+
+// Hierarchical reshard. A host shard is a rank's part of `params`' gathered
+// values within a host group of `host_size` consecutive shard ranks (m =
+// S / host_size shards each): for each parameter in order, rows [j*m*ceil,
+// (j+1)*m*ceil) of its padded unsharded tensor, j the rank in the host group.
+// The host group's ranks' host shards, side by side, are the unsharded tensor.
+int64_t HostShardNumel(const std::vector<ShardedParam*>& params, int host_size);
+// Copies this rank's host shard out of the (allocated) unsharded storage.
+void CopyHostShard(const std::vector<ShardedParam*>& params, int host_rank,
+                   int host_size, const at::Tensor& host_shard);
+// Starts the all-gather of the host shards over `group` (the host group):
+// straight into the unsharded storage, which must be allocated, where the
+// group takes segments; else into state.output (host_size host shards from
+// `pool`), for AllGatherCopyOut(output, params, S / host_size).
+absl::Status StartHostAllGather(const std::vector<ShardedParam*>& params,
+                                const at::Tensor& host_shard,
+                                comm::Communicator& group, FlatBufferPool& pool,
+                                AllGatherState& state);
 
 // Fills `chunks` (S rows, each at least FlatChunkNumel long; any row stride:
 // a block of columns of a fused buffer) from the unsharded gradients in the

@@ -101,6 +101,7 @@ EngineStats EngineCore::Stats() const {
     s.all_gathers += u.all_gathers;
     s.reduce_scatters += u.reduce_scatters;
     s.all_reduces += u.all_reduces;
+    s.host_all_gathers += u.host_all_gathers;
     s.units.push_back(u);
     for (const ShardedParam* p : unit->params()) {
       const at::Tensor g = p->sharded().grad();

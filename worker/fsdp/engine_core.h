@@ -167,6 +167,9 @@ class EngineCore {
       units;  // index 0 = root once finalized
   bool finalized = false;
 
+  // StepSchedule.post_forward_group_size of the step being run (from Apply,
+  // checked against mesh.host): 0, or the host group's size.
+  int post_forward_group_size = 0;
   // Current microbatch (from Apply).
   bool requires_grad_sync = true;
   bool requires_all_reduce = true;

@@ -381,6 +381,28 @@ absl::Status Engine::Apply(const hsdp::v1::StepSchedule& schedule,
     }
     fusion_groups.emplace_back(group.units().begin(), group.units().end());
   }
+  const int host_group = schedule.post_forward_group_size();
+  if (host_group != 0) {
+    const int shards = core_->shard_size();
+    if (host_group < 2 || host_group >= shards || shards % host_group != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("schedule post_forward_group_size ", host_group,
+                       ": must be 0 or a divisor of the shard group size (",
+                       shards, ") in [2, ", shards, ")"));
+    }
+    const comm::Communicator* host = core_->mesh.host;
+    if (host == nullptr || host->size() != host_group ||
+        host->rank() != core_->shard_rank() % host_group) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "schedule post_forward_group_size ", host_group,
+          " needs a host group of ", host_group,
+          " consecutive shard ranks; this rank's is ",
+          host == nullptr ? std::string("missing")
+                          : absl::StrCat(host->size(), " ranks, rank ",
+                                         host->rank(), " of them (shard rank ",
+                                         core_->shard_rank(), ")")));
+    }
+  }
   const int num_mb = schedule.microbatches_size();
   if (microbatch < 0 || microbatch >= std::max(num_mb, 1)) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -403,6 +425,7 @@ absl::Status Engine::Apply(const hsdp::v1::StepSchedule& schedule,
   core_->ResetPassFlags();
   core_->SetFusionGroups(fusion_groups);
   core_->microbatch = microbatch;
+  core_->post_forward_group_size = host_group;
   for (int i = 0; i < schedule.units_size(); ++i) {
     const hsdp::v1::UnitSchedule& u = schedule.units(i);
     UnitGroup& unit = *core_->units[i];

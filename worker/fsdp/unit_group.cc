@@ -86,6 +86,12 @@ void UnitGroup::Trace(const char* name, SpanTrack track, int64_t begin_ns,
 
 void UnitGroup::Unshard() {
   if (state_ != State::kSharded || !PrepareGather()) return;
+  if (host_shard_.defined()) {
+    // Kept after forward (hierarchical reshard): gathered inside the host,
+    // alone.
+    IssueHostAllGather();
+    return;
+  }
   // Comm fusion: the peers this pass still needs go in the same all-gather
   // (the same decision on every rank: program order and the schedule only).
   std::vector<UnitGroup*> members;
@@ -171,6 +177,49 @@ void UnitGroup::IssueAllGather(std::vector<UnitGroup*> members) {
   }
 }
 
+void UnitGroup::IssueHostAllGather() {
+  if (core_->trace != nullptr)
+    all_gather_.issued_ns = TraceRecorder::NowNanos();
+  state_ = State::kGathering;
+  gather_issuer_ = this;
+  gathered_with_ = {this};
+  host_gather_ = true;
+  ++stats_.host_all_gathers;
+  AllocUnsharded(sharded_);
+  Check(StartHostAllGather(sharded_, host_shard_, *core_->mesh.host,
+                           core_->buffers, all_gather_));
+  core_->SampleTransientBytes();
+}
+
+bool UnitGroup::KeepsHostShard() const {
+  return core_->post_forward_group_size > 1 && core_->mesh.host != nullptr &&
+         state_ == State::kUnsharded && !sharded_.empty() && !aliases_shard_ &&
+         unshard_in_backward_;
+}
+
+void UnitGroup::ReshardToHost() {
+  comm::Communicator& host = *core_->mesh.host;
+  at::Tensor kept = at::empty(
+      {HostShardNumel(sharded_, host.size())},
+      at::TensorOptions().dtype(compute_dtype_).device(core_->options.device));
+  CopyHostShard(sharded_, host.rank(), host.size(), kept);
+  Reshard();
+  host_shard_ = std::move(kept);
+  const int64_t bytes = static_cast<int64_t>(host_shard_.nbytes());
+  stats_.unsharded_bytes_alive += bytes;
+  core_->memory.AddUnsharded(bytes);
+  stats_.peak_unsharded_bytes =
+      std::max(stats_.peak_unsharded_bytes, stats_.unsharded_bytes_alive);
+}
+
+void UnitGroup::DropHostShard() {
+  if (!host_shard_.defined()) return;
+  const int64_t bytes = static_cast<int64_t>(host_shard_.nbytes());
+  stats_.unsharded_bytes_alive -= bytes;
+  core_->memory.AddUnsharded(-bytes);
+  host_shard_.reset();
+}
+
 void UnitGroup::WaitForUnshard() {
   if (state_ == State::kSharded) Unshard();
   if (state_ != State::kGathering) return;
@@ -188,7 +237,9 @@ void UnitGroup::CompleteAllGather() {
     params.insert(params.end(), m->sharded_.begin(), m->sharded_.end());
   }
   if (all_gather_.output.defined()) {  // flat path
-    AllGatherCopyOut(all_gather_.output, params);
+    AllGatherCopyOut(
+        all_gather_.output, params,
+        host_gather_ ? core_->shard_size() / core_->mesh.host->size() : 1);
     core_->SampleTransientBytes();
     core_->buffers.Release(all_gather_.output);
   }
@@ -196,12 +247,17 @@ void UnitGroup::CompleteAllGather() {
   for (UnitGroup* m : gathered_with_) {
     m->state_ = State::kUnsharded;
     m->gather_issuer_ = nullptr;
+    // Gathered (over the host group or the shard group): the copy kept
+    // after forward has served.
+    m->DropHostShard();
   }
   gathered_with_.clear();
+  host_gather_ = false;
 }
 
 void UnitGroup::Reshard() {
   if (state_ == State::kGathering) WaitForUnshard();
+  DropHostShard();
   if (state_ != State::kUnsharded) return;
   for (ShardedParam* p : params()) {
     if (p->unsharded_allocated()) {
@@ -248,7 +304,13 @@ void UnitGroup::PostForward() {
     }
     last_exit = core_->pass.exits++;
   }
-  if (reshard_after_forward && core_->recompute_depth == 0) Reshard();
+  if (reshard_after_forward && core_->recompute_depth == 0) {
+    if (KeepsHostShard()) {
+      ReshardToHost();
+    } else {
+      Reshard();
+    }
+  }
   if (core_->trace != nullptr) {
     Trace(core_->recompute_depth > 0 ? "recompute" : "forward",
           SpanTrack::kCompute, forward_begin_ns_, TraceRecorder::NowNanos());
@@ -332,6 +394,8 @@ void UnitGroup::DiscardStep() {
   core_->buffers.Release(all_gather_.input);
   gathered_with_.clear();
   gather_issuer_ = nullptr;
+  host_gather_ = false;
+  DropHostShard();
   reduce_scatter_.work.reset();
   ReleaseReductionPart();
   ReleaseReductionBuffers();

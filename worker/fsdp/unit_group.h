@@ -39,6 +39,14 @@
 // summation order may depend on an element's offset) only the all-gathers
 // fuse.
 //
+// Hierarchical reshard (StepSchedule.post_forward_group_size, with the host
+// group of MeshComms): a unit resharded after forward first copies its host
+// shard (collectives.h) out of the gathered parameters and keeps it; the
+// next gather of the unit (its backward, a recompute) is an all-gather of
+// the host shards over the host group, alone, never fused; any gather of the
+// unit drops the copy, and so does a reshard. The gathered bytes are the
+// same whichever group moved them.
+//
 // Thread-compatible: only ever driven by one thread at a time (see
 // fully_shard.h).
 #ifndef HSDP_WORKER_FSDP_UNIT_GROUP_H_
@@ -187,6 +195,13 @@ class UnitGroup {
   // This pass still needs the unit (see the file comment): a fusion peer
   // joins a gather only then.
   bool NeededLaterThisPass() const;
+  // Hierarchical reshard (see the file comment): whether PostForward keeps
+  // a host shard, keeping it (and freeing the rest), dropping it, and the
+  // all-gather of the host shards over the host group.
+  bool KeepsHostShard() const;
+  void ReshardToHost();
+  void DropHostShard();
+  void IssueHostAllGather();
   // Issues one all-gather of `members`' sharded parameters (this unit among
   // them) and holds it.
   void IssueAllGather(std::vector<UnitGroup*> members);
@@ -252,6 +267,11 @@ class UnitGroup {
   AllGatherState all_gather_;
   std::vector<UnitGroup*> gathered_with_;
   UnitGroup* gather_issuer_ = nullptr;
+  // The all-gather in flight is of the host shards, over the host group.
+  bool host_gather_ = false;
+  // Hierarchical reshard: this rank's host shard, kept from the unit's
+  // forward to its next gather (undefined otherwise).
+  at::Tensor host_shard_;
   ReduceScatterState reduce_scatter_;
   std::vector<UnitGroup*> reduced_with_;
   // This unit's part of a reduce-scatter (its own or a peer's).

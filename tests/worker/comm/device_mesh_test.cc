@@ -3,8 +3,10 @@
 #include "hsdp/device_mesh.h"
 
 #include <memory>
+#include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "gtest/gtest.h"
 #include "tests/worker/comm/comm_test_util.h"
@@ -32,6 +34,66 @@ TEST(DeviceMeshTest, GroupArithmetic) {
   EXPECT_EQ(replicate.global_ranks, (std::vector<int>{1, 4}));
   EXPECT_EQ(DeviceMesh::Create(shape, 6, "p", nullptr).status().code(),
             absl::StatusCode::kInvalidArgument);
+}
+
+// The host group: a run of consecutive ranks inside the shard group.
+TEST(DeviceMeshTest, HostGroupArithmetic) {
+  const MeshShape shape{2, 4};
+  GroupSpec host = DeviceMesh::HostGroup(shape, 7, "p", 2);
+  EXPECT_EQ(host.kind, "host");
+  EXPECT_EQ(host.prefix, "p/host/3");
+  EXPECT_EQ(host.rank, 1);
+  EXPECT_EQ(host.size, 2);
+  EXPECT_EQ(host.global_ranks, (std::vector<int>{6, 7}));
+}
+
+// 2x4 whose ranks report hosts a a b b | c c d d: each shard group finds
+// host groups of two, whose communicator all-gathers exactly its run's
+// world ranks, and aborting the mesh aborts it too. Hosts in runs of unequal
+// length, or one host per shard group, give none.
+TEST(DeviceMeshTest, HostGroupsFoundFromTheRanksHostIds) {
+  const MeshShape shape{2, 4};
+  InMemoryStore store;
+  GlooDeviceOptions device;
+  device.hostname = "127.0.0.1";
+  const std::vector<std::string> hosts = {"a", "a", "b", "b",
+                                          "c", "c", "d", "d"};
+  RunOnRanks(shape.world_size(), [&](int rank) {
+    absl::StatusOr<std::unique_ptr<DeviceMesh>> mesh = DeviceMesh::CreateGloo(
+        shape, rank, store, "job/gen0", device, absl::Seconds(20),
+        /*shared_memory=*/true, hosts[rank]);
+    ASSERT_TRUE(mesh.ok()) << mesh.status();
+    Communicator* host = (*mesh)->host();
+    ASSERT_NE(host, nullptr);
+    EXPECT_EQ(host->name(), "shm+gloo:host");
+    EXPECT_EQ(host->size(), 2);
+    EXPECT_EQ(host->rank(), rank % 2);
+    int32_t mine = rank;
+    int32_t ranks[2] = {-1, -1};
+    ASSERT_TRUE(host->AllGather(Buffer{&mine, 1, DataType::kInt32},
+                                Buffer{ranks, 2, DataType::kInt32})
+                    ->Wait()
+                    .ok());
+    EXPECT_EQ(std::vector<int>(ranks, ranks + 2),
+              DeviceMesh::HostGroup(shape, rank, "", 2).global_ranks);
+    ASSERT_TRUE((*mesh)->Abort("test").ok());
+    EXPECT_EQ(host->AllGather(Buffer{&mine, 1, DataType::kInt32},
+                              Buffer{ranks, 2, DataType::kInt32})
+                  ->Wait()
+                  .code(),
+              absl::StatusCode::kAborted);
+  });
+  for (const std::vector<std::string>& layout :
+       {std::vector<std::string>{"a", "a", "a", "b"},
+        std::vector<std::string>{"a", "a", "a", "a"}}) {
+    RunOnRanks(4, [&](int rank) {
+      absl::StatusOr<std::unique_ptr<DeviceMesh>> mesh = DeviceMesh::CreateGloo(
+          MeshShape{1, 4}, rank, store, absl::StrCat("job/", layout[3]), device,
+          absl::Seconds(20), /*shared_memory=*/true, layout[rank]);
+      ASSERT_TRUE(mesh.ok()) << mesh.status();
+      EXPECT_EQ((*mesh)->host(), nullptr);
+    });
+  }
 }
 
 // A communicator whose Abort returns only once the other group's Abort has

@@ -36,43 +36,51 @@ Recorded Record(comm::MeshShape shape, RunConfig config, bool flat = false) {
   config.steps = 2;
   const StateDict init = MakeInitialState(config.dims, 30);
   Recorded out;
-  RunOnMesh(shape, [&](RankContext& ctx) {
-    CollectiveLog log;
-    RecordingCommunicator shard(&ctx.mesh->shard(), &log, !flat);
-    RecordingCommunicator replicate(&ctx.mesh->replicate(), &log, !flat);
-    TinyTransformer model = MakeModel(config.dims, init);
-    std::unique_ptr<Engine> engine =
-        MakeEngine(model, MeshComms{&shard, &replicate}, config);
-    torch::optim::AdamW optimizer(engine->Parameters());
-    const StepSchedule schedule = PlanSchedule(*engine, config);
-    const int local = config.global_batch / shape.world_size();
-    const int per_mb = local / config.microbatches;
-    for (int step = 0; step < config.steps; ++step) {
-      engine->ResetStats();
-      log.Clear();
-      log.set_engine(engine.get());
-      for (int mb = 0; mb < config.microbatches; ++mb) {
-        ASSERT_TRUE(engine->Apply(schedule, mb).ok());
-        log.set_microbatch(mb);
-        log.set_phase(Phase::kForward);
-        auto [tokens, targets] =
-            Batch(config.dims, step, ctx.rank * local + mb * per_mb, per_mb);
-        at::Tensor logits = EngineForward(*engine, model, tokens,
-                                          /*checkpoint=*/false, &log);
-        at::Tensor loss = Loss(logits, targets);
-        log.set_phase(Phase::kBackward);
-        loss.backward();
-      }
-      optimizer.step();
-      optimizer.zero_grad();
-    }
-    if (ctx.rank == 0) {
-      out.schedule = schedule;
-      out.events = log.events();
-      out.text = log.ToString();
-      out.stats = engine->Stats();
-    }
-  });
+  RunOnMesh(
+      shape,
+      [&](RankContext& ctx) {
+        CollectiveLog log;
+        RecordingCommunicator shard(&ctx.mesh->shard(), &log, !flat);
+        RecordingCommunicator replicate(&ctx.mesh->replicate(), &log, !flat);
+        std::unique_ptr<RecordingCommunicator> host;
+        if (ctx.mesh->host() != nullptr) {
+          host = std::make_unique<RecordingCommunicator>(
+              ctx.mesh->host(), &log, !flat, EventKind::kHostAllGather);
+        }
+        TinyTransformer model = MakeModel(config.dims, init);
+        std::unique_ptr<Engine> engine = MakeEngine(
+            model, MeshComms{&shard, &replicate, host.get()}, config);
+        torch::optim::AdamW optimizer(engine->Parameters());
+        const StepSchedule schedule = PlanSchedule(*engine, config);
+        const int local = config.global_batch / shape.world_size();
+        const int per_mb = local / config.microbatches;
+        for (int step = 0; step < config.steps; ++step) {
+          engine->ResetStats();
+          log.Clear();
+          log.set_engine(engine.get());
+          for (int mb = 0; mb < config.microbatches; ++mb) {
+            ASSERT_TRUE(engine->Apply(schedule, mb).ok());
+            log.set_microbatch(mb);
+            log.set_phase(Phase::kForward);
+            auto [tokens, targets] = Batch(
+                config.dims, step, ctx.rank * local + mb * per_mb, per_mb);
+            at::Tensor logits = EngineForward(*engine, model, tokens,
+                                              /*checkpoint=*/false, &log);
+            at::Tensor loss = Loss(logits, targets);
+            log.set_phase(Phase::kBackward);
+            loss.backward();
+          }
+          optimizer.step();
+          optimizer.zero_grad();
+        }
+        if (ctx.rank == 0) {
+          out.schedule = schedule;
+          out.events = log.events();
+          out.text = log.ToString();
+          out.stats = engine->Stats();
+        }
+      },
+      absl::Seconds(30), /*shared_memory=*/true, config.within_host_group);
   return out;
 }
 
@@ -372,6 +380,44 @@ TEST(CollectiveOrderTest, FusionGathersAGroupOnceAndReducesAfterItsLast) {
                 r.stats.units[4].fused_reduce_scatters,
             0);
   EXPECT_EQ(r.stats.unsharded_bytes_alive, 0);
+}
+
+// Hierarchical reshard on four shards in host groups of two, alone and with
+// every unit in one fusion group: forward gathers over the shard group as
+// before; each block (resharded after forward, with its host shard kept)
+// gathers over the host group in backward, alone, before its backward
+// compute; no backward all-gather crosses the shard group. The counts are the
+// planner's.
+TEST(CollectiveOrderTest, WithinHostReshardGathersBackwardOverTheHostGroup) {
+  for (bool flat : {false, true}) {
+    for (int64_t bucket : {int64_t{0}, int64_t{1} << 40}) {
+      RunConfig config;
+      config.within_host_group = 2;
+      config.comm_fusion_bucket_bytes = bucket;
+      const Recorded r = Record({1, 4}, config, flat);
+      SCOPED_TRACE(absl::StrCat(flat ? "flat" : "segments", " bucket ", bucket,
+                                ": ", r.text));
+      ExpectAttributed(r);
+      EXPECT_EQ(r.schedule.post_forward_group_size(), 2);
+      const coordinator::CollectiveCounts want =
+          coordinator::CountCollectives(r.schedule, /*replicate_size=*/1);
+      EXPECT_EQ(want.host_all_gathers, kLayers);
+      EXPECT_EQ(Count(r, EventKind::kHostAllGather), want.host_all_gathers);
+      EXPECT_EQ(Count(r, EventKind::kAllGather), want.all_gathers);
+      EXPECT_EQ(Count(r, EventKind::kAllGather, -1, -1, kBwd), 0);
+      EXPECT_EQ(Count(r, EventKind::kAllGather), bucket > 0 ? 1 : kUnits);
+      for (int unit = 1; unit <= kLayers; ++unit) {
+        EXPECT_EQ(Count(r, EventKind::kHostAllGather, 0, unit, kBwd), 1)
+            << unit;
+        EXPECT_LT(Find(r, EventKind::kHostAllGather, unit, 0, Phase::kBackward),
+                  Find(r, EventKind::kComputeBegin, unit, 0, Phase::kBackward))
+            << unit;
+      }
+      EXPECT_EQ(r.stats.host_all_gathers, want.host_all_gathers);
+      EXPECT_EQ(r.stats.all_gathers, want.all_gathers);
+      EXPECT_EQ(r.stats.unsharded_bytes_alive, 0);
+    }
+  }
 }
 
 // On the flat path (NCCL's) with more than two shards the reduce-scatters

@@ -264,6 +264,43 @@ TEST(EngineApiTest, RejectsBadSetUpAndSchedules) {
   });
 }
 
+// A schedule's post_forward_group_size must divide the shard group, lie
+// below it, and match the host group the engine was given: each refusal
+// names the field; the engine goes on with a good schedule.
+TEST(EngineApiTest, RejectsAHostGroupTheMeshDoesNotHave) {
+  RunConfig config;
+  const StateDict init = MakeInitialState(config.dims, 23);
+  RunOnMesh(
+      {1, 4},
+      [&](RankContext& ctx) {
+        TinyTransformer model = MakeModel(config.dims, init);
+        std::unique_ptr<Engine> without = MakeEngine(
+            model, MeshComms{&ctx.mesh->shard(), &ctx.mesh->replicate()},
+            config);
+        hsdp::v1::StepSchedule schedule = MakeSchedule(3, config);
+        schedule.set_post_forward_group_size(2);
+        absl::Status s = without->Apply(schedule, 0);
+        EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+        EXPECT_NE(s.message().find("post_forward_group_size 2"),
+                  std::string::npos)
+            << s;
+        EXPECT_TRUE(without->status().ok());
+        TinyTransformer other = MakeModel(config.dims, init);
+        std::unique_ptr<Engine> with = MakeEngine(other, ctx.comms(), config);
+        for (int bad : {1, 3, 4, -2}) {
+          schedule.set_post_forward_group_size(bad);
+          s = with->Apply(schedule, 0);
+          EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << bad;
+          EXPECT_NE(s.message().find("post_forward_group_size"),
+                    std::string::npos)
+              << s;
+        }
+        schedule.set_post_forward_group_size(2);
+        EXPECT_TRUE(with->Apply(schedule, 0).ok());
+      },
+      absl::Seconds(30), /*shared_memory=*/true, /*host_group_size=*/2);
+}
+
 TEST(EngineApiTest, IgnoredAndFrozenParameters) {
   RunConfig config;
   const StateDict init = MakeInitialState(config.dims, 22);

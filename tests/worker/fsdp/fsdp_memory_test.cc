@@ -212,6 +212,71 @@ TEST(EngineMemoryTest, FusionBuffersCountedAndPredicted) {
   }
 }
 
+// Hierarchical reshard on four shards in host groups of two: each block
+// keeps half of its gathered parameters (its host shard) from its forward to
+// its backward. The engine counts them with the unsharded parameters, whose
+// peak lies between the fully resharded and the never resharded plans', and
+// the memory model, fed the measured activations, predicts the
+// measured peak as it does the others'.
+TEST(EngineMemoryTest, HostShardsCountedAndPredicted) {
+  InstallCountingCpuAllocator();
+  constexpr int kHostShards = 4;
+  constexpr int kHostGroup = 2;
+  RunConfig config;
+  config.dims = BigDims();
+  RunConfig within = config;
+  within.within_host_group = kHostGroup;
+  RunConfig kept = config;
+  kept.reshard_after_forward = false;
+  const StateDict init = MakeInitialState(config.dims, 43);
+  struct Peaks {
+    EngineStats stats;
+    int64_t predicted = 0;
+  };
+  std::vector<std::vector<Peaks>> out(3, std::vector<Peaks>(kHostShards));
+  RunOnMesh(
+      {1, kHostShards},
+      [&](RankContext& ctx) {
+        ScopedMemoryTally tally;
+        Rank r(config, init, ctx.comms());
+        const MemoryModel model(PlannerUnits(*r.engine),
+                                MemoryModel::Options{kHostShards, 1});
+        const v1::StepSchedule schedules[3] = {PlanSchedule(*r.engine, config),
+                                               PlanSchedule(*r.engine, within),
+                                               PlanSchedule(*r.engine, kept)};
+        EXPECT_EQ(schedules[1].post_forward_group_size(), kHostGroup);
+        r.Step(schedules[0], 0, ctx.rank, 2);  // creates the optimizer state
+        for (int i = 0; i < 3; ++i) {
+          Peaks& p = out[i][ctx.rank];
+          p.stats = r.Step(schedules[i], 1 + i, ctx.rank, 2);
+          p.predicted =
+              model.PredictPeak(schedules[i], p.stats.activation_bytes).Total();
+        }
+      },
+      absl::Seconds(30), /*shared_memory=*/false, kHostGroup);
+  for (int rank = 0; rank < kHostShards; ++rank) {
+    const Peaks& full = out[0][rank];
+    const Peaks& host = out[1][rank];
+    const Peaks& none = out[2][rank];
+    SCOPED_TRACE(absl::StrCat(
+        "rank ", rank, ": within host ", host.stats.peak_memory.ToString(),
+        ", measured ", host.stats.measured_peak_bytes, ", predicted ",
+        host.predicted, "; resharded ", full.stats.peak_memory.ToString(),
+        ", measured ", full.stats.measured_peak_bytes, ", predicted ",
+        full.predicted));
+    EXPECT_EQ(host.stats.host_all_gathers, config.dims.layers);
+    EXPECT_EQ(full.stats.host_all_gathers, 0);
+    EXPECT_EQ(host.stats.unsharded_bytes_alive, 0);
+    EXPECT_GT(host.stats.peak_unsharded_bytes, full.stats.peak_unsharded_bytes);
+    EXPECT_LT(host.stats.peak_unsharded_bytes, none.stats.peak_unsharded_bytes);
+    EXPECT_GT(host.predicted, full.predicted);
+    EXPECT_LT(host.predicted, none.predicted);
+    EXPECT_NEAR(static_cast<double>(host.predicted),
+                static_cast<double>(host.stats.measured_peak_bytes),
+                0.10 * host.stats.measured_peak_bytes);
+  }
+}
+
 // The planner's memory budget, closed in-process: measured peaks fed back into
 // the planner (max over ranks, as the coordinator does) bring every peak under
 // a budget between the all-resharded and the none-resharded peaks within a few

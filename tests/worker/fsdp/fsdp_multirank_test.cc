@@ -243,6 +243,91 @@ TEST(PolicyTest, CommFusionChangedMidRunKeepsTheNumbers) {
   }
 }
 
+// Hierarchical reshard: units kept sharded within their host group after
+// forward and gathered over it in backward give the numbers of runs that
+// gathered over the whole shard group, bit for bit, on four shards in host
+// groups of two, one replica or two, on the segments and the flat path, with
+// recompute, prefetch, comm fusion, microbatches with and without syncing,
+// and bf16 parameters.
+TEST(PolicyTest, ReshardWithinHostNeverChangesTheNumbers) {
+  constexpr int kHostGroup = 2;
+  RunConfig base;
+  base.global_batch = 16;  // two microbatches of one sample on 2x4
+  base.steps = 2;
+  base.microbatches = 2;
+  base.all_reduce_every_microbatch = false;
+  const std::vector<int64_t> buckets = FusionBuckets(base);
+  std::vector<RunConfig> plain;
+  for (bool recompute : {false, true}) {
+    for (int prefetch : {0, 1}) {
+      RunConfig c = base;
+      c.checkpoint = recompute;
+      c.prefetch = prefetch;
+      c.sync_every_microbatch = prefetch == 0;
+      c.comm_fusion_bucket_bytes = recompute ? buckets[2] : 0;
+      plain.push_back(c);
+    }
+  }
+  RunConfig bf16 = base;
+  bf16.mixed_precision.param_dtype = c10::kBFloat16;
+  plain.push_back(bf16);
+  std::vector<RunConfig> configs;
+  for (const RunConfig& c : plain) {
+    configs.push_back(c);
+    RunConfig within = c;
+    within.within_host_group = kHostGroup;
+    configs.push_back(within);
+  }
+  const StateDict init = MakeInitialState(base.dims, 17);
+  for (const comm::MeshShape shape :
+       {comm::MeshShape{1, 4}, comm::MeshShape{2, 4}}) {
+    // results[flat][config][rank]
+    std::vector<std::vector<std::vector<RunResult>>> results(
+        2, std::vector<std::vector<RunResult>>(
+               configs.size(), std::vector<RunResult>(shape.world_size())));
+    RunOnMesh(
+        shape,
+        [&](RankContext& ctx) {
+          FlatOnlyCommunicator shard(&ctx.mesh->shard());
+          FlatOnlyCommunicator replicate(&ctx.mesh->replicate());
+          FlatOnlyCommunicator host(ctx.mesh->host());
+          for (int flat = 0; flat < 2; ++flat) {
+            const MeshComms comms =
+                flat ? MeshComms{&shard, &replicate, &host} : ctx.comms();
+            for (size_t i = 0; i < configs.size(); ++i) {
+              results[flat][i][ctx.rank] = TrainSharded(
+                  comms, ctx.rank, shape.world_size(), init, configs[i]);
+            }
+          }
+        },
+        absl::Seconds(30), /*shared_memory=*/true, kHostGroup);
+    for (int flat = 0; flat < 2; ++flat) {
+      for (size_t i = 0; i < configs.size(); i += 2) {
+        const RunConfig& c = configs[i];
+        SCOPED_TRACE(absl::StrCat(
+            shape.replicate, "x", shape.shard, flat ? " flat" : " segments",
+            " recompute=", c.checkpoint, " prefetch=", c.prefetch,
+            " sync_every=", c.sync_every_microbatch,
+            " bucket=", c.comm_fusion_bucket_bytes,
+            " bf16=", c.mixed_precision.param_dtype.has_value()));
+        const std::vector<RunResult>& alone = results[flat][i];
+        const std::vector<RunResult>& within = results[flat][i + 1];
+        ExpectSameNumbers(within, alone);
+        EXPECT_NE(alone[0].losses.front(), alone[0].losses.back());
+        // The backward gathers moved to the host group (recompute gathers
+        // there too), and the forward ones stayed.
+        EXPECT_EQ(alone[0].stats.host_all_gathers, 0);
+        EXPECT_GE(within[0].stats.host_all_gathers,
+                  int64_t{base.steps} * base.microbatches * base.dims.layers);
+        EXPECT_LT(within[0].stats.all_gathers, alone[0].stats.all_gathers);
+        EXPECT_EQ(within[0].stats.reduce_scatters,
+                  alone[0].stats.reduce_scatters);
+        EXPECT_EQ(within[0].stats.all_reduces, alone[0].stats.all_reduces);
+      }
+    }
+  }
+}
+
 TEST(GradAccumulationTest, NoSyncMicrobatchesEqualOneLargeBatch) {
   RunConfig config;
   config.microbatches = 4;

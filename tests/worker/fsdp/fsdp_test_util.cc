@@ -116,6 +116,7 @@ hsdp::v1::Policy PolicyFor(const RunConfig& config) {
                             ? hsdp::v1::ALL_REDUCE_MODE_EVERY_MICROBATCH
                             : hsdp::v1::ALL_REDUCE_MODE_LAST_MICROBATCH);
   policy.set_comm_fusion_bucket_bytes(config.comm_fusion_bucket_bytes);
+  policy.set_reshard_after_forward_within_host(config.within_host_group > 0);
   return policy;
 }
 
@@ -125,6 +126,7 @@ namespace {
 // depend on the mesh the planner's memory model is told about.
 hsdp::v1::StepSchedule Plan(UnitList units, const RunConfig& config) {
   coordinator::Planner planner(std::move(units), /*shard_size=*/1);
+  planner.SetHostGroupSize(config.within_host_group);
   return planner.Plan(PolicyFor(config), coordinator::PlanInput());
 }
 
@@ -315,7 +317,8 @@ RunResult TrainReference(const StateDict& init, const RunConfig& config) {
 
 void RunOnMesh(comm::MeshShape shape,
                const std::function<void(RankContext&)>& fn,
-               absl::Duration timeout, bool shared_memory) {
+               absl::Duration timeout, bool shared_memory,
+               int host_group_size) {
   static std::atomic<int> run_counter{0};
   const std::string prefix = absl::StrCat("fsdp-test-", run_counter++);
   comm::InMemoryStore store;
@@ -325,8 +328,11 @@ void RunOnMesh(comm::MeshShape shape,
       comm::GlooDeviceOptions device;
       device.hostname = "127.0.0.1";
       absl::StatusOr<std::unique_ptr<comm::DeviceMesh>> mesh =
-          comm::DeviceMesh::CreateGloo(shape, rank, store, prefix, device,
-                                       timeout, shared_memory);
+          comm::DeviceMesh::CreateGloo(
+              shape, rank, store, prefix, device, timeout, shared_memory,
+              host_group_size > 0
+                  ? absl::StrCat("host-", rank / host_group_size)
+                  : std::string());
       ASSERT_TRUE(mesh.ok()) << mesh.status();
       RankContext ctx;
       ctx.rank = rank;

@@ -106,6 +106,10 @@ struct RunConfig {
   // When not empty, step s runs with comm_fusion_bucket_bytes =
   // fusion_bucket_by_step[s % size]: a policy changed between steps.
   std::vector<int64_t> fusion_bucket_by_step;
+  // Policy.reshard_after_forward_within_host, planned for a generation whose
+  // host_group_size is this (0: none; RunOnMesh's host_group_size must
+  // match).
+  int within_host_group = 0;
 };
 
 struct RunResult {
@@ -164,16 +168,18 @@ struct RankContext {
   int rank = 0;
   comm::DeviceMesh* mesh = nullptr;
   MeshComms comms() const {
-    return MeshComms{&mesh->shard(), &mesh->replicate()};
+    return MeshComms{&mesh->shard(), &mesh->replicate(), mesh->host()};
   }
 };
 // Runs fn on every rank of a replicate × shard mesh (threads, Gloo over
 // 127.0.0.1; with `shared_memory`, the unit collectives of each group go
-// through ShmCommunicator, as on one host in production).
+// through ShmCommunicator, as on one host in production; with
+// `host_group_size`, rank r reports host "host-<r / host_group_size>", so
+// shard groups of four or more ranks get host groups of that many).
 void RunOnMesh(comm::MeshShape shape,
                const std::function<void(RankContext&)>& fn,
                absl::Duration timeout = absl::Seconds(30),
-               bool shared_memory = true);
+               bool shared_memory = true, int host_group_size = 0);
 
 // max |a - b| over every tensor of two state dicts with equal keys (inf on a
 // mismatch).

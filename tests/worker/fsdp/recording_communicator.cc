@@ -14,6 +14,8 @@ const char* KindName(EventKind kind) {
   switch (kind) {
     case EventKind::kAllGather:
       return "AG";
+    case EventKind::kHostAllGather:
+      return "HAG";
     case EventKind::kReduceScatter:
       return "RS";
     case EventKind::kAllReduce:
@@ -30,6 +32,8 @@ int64_t Counter(const UnitStats& u, EventKind kind) {
   switch (kind) {
     case EventKind::kAllGather:
       return u.all_gathers;
+    case EventKind::kHostAllGather:
+      return u.host_all_gathers;
     case EventKind::kReduceScatter:
       return u.reduce_scatters;
     case EventKind::kAllReduce:
@@ -138,10 +142,12 @@ at::Tensor OnBackward(CollectiveLog* log, EventKind kind, int unit,
 }
 
 RecordingCommunicator::RecordingCommunicator(comm::Communicator* inner,
-                                             CollectiveLog* log, bool segments)
+                                             CollectiveLog* log, bool segments,
+                                             EventKind gather_kind)
     : inner_(inner),
       log_(log),
-      segments_(segments && inner->SupportsSegments()) {}
+      segments_(segments && inner->SupportsSegments()),
+      gather_kind_(gather_kind) {}
 
 void RecordingCommunicator::Record(EventKind kind) {
   if (log_ != nullptr) log_->RecordCollective(kind);
@@ -150,7 +156,7 @@ void RecordingCommunicator::Record(EventKind kind) {
 std::unique_ptr<comm::Work> RecordingCommunicator::AllGather(
     const comm::Buffer& input, const comm::Buffer& output) {
   ++all_gathers_;
-  Record(EventKind::kAllGather);
+  Record(gather_kind_);
   return inner_->AllGather(input, output);
 }
 
@@ -173,7 +179,7 @@ std::unique_ptr<comm::Work> RecordingCommunicator::AllGatherSegments(
     const std::vector<std::vector<comm::Buffer>>& outputs) {
   ++segment_calls_;
   ++all_gathers_;
-  Record(EventKind::kAllGather);
+  Record(gather_kind_);
   return inner_->AllGatherSegments(inputs, outputs);
 }
 

@@ -32,6 +32,8 @@ namespace hsdp::fsdp::testing {
 
 enum class EventKind {
   kAllGather,
+  // An all-gather over the host group (hierarchical reshard).
+  kHostAllGather,
   kReduceScatter,
   kAllReduce,
   kComputeBegin,
@@ -49,8 +51,8 @@ struct CollectiveEvent {
   int during_unit = -1;
 
   bool is_collective() const {
-    return kind == EventKind::kAllGather || kind == EventKind::kReduceScatter ||
-           kind == EventKind::kAllReduce;
+    return kind == EventKind::kAllGather || kind == EventKind::kHostAllGather ||
+           kind == EventKind::kReduceScatter || kind == EventKind::kAllReduce;
   }
   std::string ToString() const;
 };
@@ -104,8 +106,11 @@ at::Tensor OnBackward(CollectiveLog* log, EventKind kind, int unit,
 // the NCCL path) over a Gloo communicator. Does not own `inner` or `log`.
 class RecordingCommunicator : public comm::Communicator {
  public:
+  // `gather_kind`: what its all-gathers are recorded as (kHostAllGather for
+  // a host group).
   RecordingCommunicator(comm::Communicator* inner, CollectiveLog* log,
-                        bool segments);
+                        bool segments,
+                        EventKind gather_kind = EventKind::kAllGather);
 
   int rank() const override { return inner_->rank(); }
   int size() const override { return inner_->size(); }
@@ -145,6 +150,7 @@ class RecordingCommunicator : public comm::Communicator {
   comm::Communicator* const inner_;
   CollectiveLog* const log_;
   const bool segments_;
+  const EventKind gather_kind_;
   std::atomic<int64_t> all_gathers_{0};
   std::atomic<int64_t> reduce_scatters_{0};
   std::atomic<int64_t> all_reduces_{0};
