@@ -143,6 +143,11 @@ struct WorkerOptions {
   int keep_checkpoints = 0;
   std::string gloo_iface;
   std::string gloo_hostname;
+  // The host this worker tells the coordinator it runs on, for placing shard
+  // groups inside hosts and for host groups (hierarchical reshard). Empty:
+  // the machine's hostname. In a container, whose hostname is its own, set
+  // it to the node's name.
+  std::string host_id;
   // Ranks on one host move their all-gathers and reduce-scatters through
   // shared memory (Gloo TCP where they cannot).
   bool shared_memory = true;

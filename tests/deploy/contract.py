@@ -28,6 +28,7 @@ CONTRACT = {
         "flags": {
             "coordinator", "job-id", "rank-hint", "device", "model", "dims", "data", "steps",
             "microbatch-size", "lr", "checkpoint-dir", "threads", "gloo-iface", "gloo-hostname",
+            "host-id",
             "collective-timeout", "seed", "report-file", "help",
             # In hsdp-worker --help though not in the table.
             "coordinator-timeout",
@@ -35,7 +36,7 @@ CONTRACT = {
         "env": {
             "HSDP_COORDINATOR", "HSDP_JOB_ID", "HSDP_RANK_HINT", "HSDP_DEVICE", "HSDP_MODEL",
             "HSDP_DATA", "HSDP_STEPS", "HSDP_MICROBATCH_SIZE", "HSDP_LR", "HSDP_CHECKPOINT_DIR",
-            "HSDP_THREADS", "HSDP_GLOO_IFACE", "HSDP_GLOO_HOSTNAME",
+            "HSDP_THREADS", "HSDP_GLOO_IFACE", "HSDP_GLOO_HOSTNAME", "HSDP_HOST_ID",
         },
     },
 }

@@ -100,6 +100,7 @@ def resolve_env(objs, container, args):
                 "metadata.namespace": "hsdp",
                 "metadata.labels['apps.kubernetes.io/pod-index']": args.pod_index,
                 "status.podIP": args.pod_ip,
+                "spec.nodeName": args.node_name,
             }.get(field)
             if value is None:
                 raise ValueError(f"env {e['name']}: no local value for fieldRef {field}")
@@ -122,6 +123,7 @@ def main(argv):
     p.add_argument("--pod-name", default="")
     p.add_argument("--pod-index", default="")
     p.add_argument("--pod-ip", default="")
+    p.add_argument("--node-name", default="")
     p.add_argument("--set", action="append", default=[])
     p.add_argument("--arg", action="append", default=[])
     args = p.parse_args(argv)

@@ -34,11 +34,13 @@ class LaunchSpecTest(unittest.TestCase):
         with tempfile.TemporaryDirectory() as root:
             binary, env, args = spec("worker", root, "--pod-name", "hsdp-worker-3",
                                      "--pod-index", "3", "--pod-ip", "10.251.7.23",
+                                     "--node-name", "node-b",
                                      "--set", "HSDP_STEPS=5", "--arg=--collective-timeout=7")
             self.assertEqual(binary, "hsdp-worker")
             self.assertEqual(env["HSDP_RANK_HINT"], "3")
             self.assertEqual(env["POD_NAME"], "hsdp-worker-3")
             self.assertEqual(env["HSDP_GLOO_HOSTNAME"], "10.251.7.23")
+            self.assertEqual(env["HSDP_HOST_ID"], "node-b")
             self.assertEqual(env["HSDP_COORDINATOR"], "hsdp-coordinator:50051")
             self.assertEqual(env["HSDP_MODEL"], "gpt-tiny")
             self.assertEqual(env["HSDP_STEPS"], "5")

@@ -122,6 +122,12 @@ std::vector<StepRecord> ReadReport(const std::string& path) {
       EXPECT_TRUE(absl::SimpleAtoi(peak, &r.peak)) << line;
     }
     r.reshard_after_forward = Field(line, "reshard_after_forward");
+    if (const std::string n = Field(line, "all_gathers"); !n.empty()) {
+      EXPECT_TRUE(absl::SimpleAtoi(n, &r.all_gathers)) << line;
+    }
+    if (const std::string n = Field(line, "host_all_gathers"); !n.empty()) {
+      EXPECT_TRUE(absl::SimpleAtoi(n, &r.host_all_gathers)) << line;
+    }
     out.push_back(r);
   }
   return out;

@@ -52,6 +52,9 @@ struct StepRecord {
   double loss = 0;
   int64_t peak = 0;
   std::string reshard_after_forward;
+  // Shard-group and host-group all-gathers of the step (0 on reference lines).
+  int64_t all_gathers = 0;
+  int64_t host_all_gathers = 0;
 };
 std::vector<StepRecord> ReadReport(const std::string& path);
 int64_t StepsReported(const std::string& path);

@@ -154,6 +154,55 @@ TEST(WorkerFeaturesTest, RecomputeAndOffloadNeverChangeTheNumbers) {
   }
 }
 
+// Hierarchical reshard through the whole stack: four workers that report two
+// hosts (--host-id a, a, b, b) on a 1x4 mesh form a generation with host
+// groups of two; with reshard_after_forward_within_host every worker builds
+// its host group and the job trains the numbers of the same job without it,
+// bit for bit, its final parameters too.
+TEST(WorkerFeaturesTest, ReshardWithinHostAcrossTwoHostsKeepsTheNumbers) {
+  constexpr int kWorld = 4;
+  constexpr int kJobSteps = 4;
+  auto run = [&](const std::string& name, bool within) {
+    Cluster c(name);
+    const std::string policy = c.dir() + "/policy.json";
+    std::ofstream(policy) << "{\"reshardAfterForwardWithinHost\": "
+                          << (within ? "true" : "false") << "}\n";
+    c.StartCoordinator(kWorld, "1x4", 0, policy);
+    for (int r = 0; r < kWorld; ++r) {
+      c.workers().push_back(
+          c.StartWorker(r,
+                        {"--host-id", r < 2 ? "host-a" : "host-b",
+                         "--final-params", c.dir() + "/final.pt"},
+                        kJobSteps));
+    }
+    c.WaitWorkers();
+    for (int r = 0; r < kWorld; ++r) {
+      // Every worker built the host group the generation named.
+      EXPECT_NE(ReadFile(c.worker_log(r)).find("host (2 ranks)"),
+                std::string::npos)
+          << ReadFile(c.worker_log(r));
+    }
+    EXPECT_NE(ReadFile(c.coordinator().log).find("spans hosts host-a, host-b"),
+              std::string::npos);
+    return JobRun{ReadReport(c.report(0)), LoadParams(c.dir() + "/final.pt")};
+  };
+  const JobRun plain = run("hosts-plain", false);
+  const JobRun within = run("hosts-within", true);
+  ASSERT_EQ(within.steps.size(), static_cast<size_t>(kJobSteps));
+  ASSERT_EQ(plain.steps.size(), within.steps.size());
+  for (size_t s = 0; s < plain.steps.size(); ++s) {
+    EXPECT_EQ(within.steps[s].loss_hex, plain.steps[s].loss_hex)
+        << "step " << s;
+    // The backward gathers moved to the host group.
+    EXPECT_EQ(plain.steps[s].host_all_gathers, 0) << "step " << s;
+    EXPECT_GT(within.steps[s].host_all_gathers, 0) << "step " << s;
+    EXPECT_EQ(within.steps[s].all_gathers + within.steps[s].host_all_gathers,
+              plain.steps[s].all_gathers)
+        << "step " << s;
+  }
+  EXPECT_EQ(MaxParamDiff(within, plain), 0.0);
+}
+
 TEST(WorkerFeaturesTest, TokenFileTrainsLikeTheReference) {
   Cluster scratch("tokens-data");
   // A headerless uint16 token file over a 300-token vocabulary.

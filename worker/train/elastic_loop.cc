@@ -39,7 +39,10 @@ constexpr absl::string_view kCollectiveFailureUrl =
 // changes (the job may be waiting for workers).
 constexpr absl::Duration kAwaitPoll = absl::Seconds(60);
 
-std::string Hostname() {
+// The host this worker reports (and finds its host group by): --host-id, or
+// the machine's hostname.
+std::string HostId(const WorkerOptions& o) {
+  if (!o.host_id.empty()) return o.host_id;
   char buf[256] = {0};
   if (gethostname(buf, sizeof(buf) - 1) != 0) return "unknown";
   return buf;
@@ -151,7 +154,7 @@ absl::Status ElasticLoop::Start() {
   ao.coordinator = o_.coordinator;
   ao.job_id = o_.job_id;
   ao.rank_hint = o_.rank_hint;
-  ao.hostname = Hostname();
+  ao.hostname = HostId(o_);
   ao.device = o_.device;
   ao.model = task_->Name();
   for (const fsdp::UnitLayout& u : units_) ao.units.push_back(fsdp::ToProto(u));
@@ -281,16 +284,21 @@ absl::Status ElasticLoop::Enter(const Generation& g) {
   store_ =
       std::make_unique<agent::CoordinatorStore>(*agent_, g.rendezvous_prefix());
   absl::StatusOr<std::unique_ptr<comm::DeviceMesh>> mesh =
-      BuildWorkerMesh(o_, shape, rank_, *store_, device_);
+      BuildWorkerMesh(o_, shape, rank_, *store_, device_, HostId(o_));
   if (!mesh.ok()) return CollectiveFailure(mesh.status());
   mesh_ = *std::move(mesh);
   PublishMesh();
   // Says which transport each group ended up on ("shm+gloo:shard" or
   // "gloo:shard", ...).
   LOG(INFO) << "rank " << rank_ << " communicators: " << mesh_->shard().name()
-            << ", " << mesh_->replicate().name();
+            << ", " << mesh_->replicate().name()
+            << (mesh_->host() != nullptr
+                    ? absl::StrCat(", ", mesh_->host()->name(), " (",
+                                   mesh_->host()->size(), " ranks)")
+                    : std::string());
 
-  const fsdp::MeshComms comms{&mesh_->shard(), &mesh_->replicate()};
+  const fsdp::MeshComms comms{&mesh_->shard(), &mesh_->replicate(),
+                              mesh_->host()};
   if (engine_ == nullptr) {
     std::vector<std::shared_ptr<UnitBinding>> bindings;
     HSDP_ASSIGN_OR_RETURN(

@@ -297,6 +297,8 @@ absl::Status ElasticLoop::Report(int64_t step, const StepPlan& plan,
     line.reshard_after_forward += u.reshard_after_forward() ? '1' : '0';
   line.microbatches = plan.micro;
   line.all_gather_seconds = stats.all_gather_seconds;
+  line.all_gathers = stats.all_gathers;
+  line.host_all_gathers = stats.host_all_gathers;
   line.reduce_scatter_seconds =
       stats.reduce_scatter_seconds + stats.all_reduce_seconds;
   line.checkpoint = saved;

@@ -112,6 +112,7 @@ void ReportFile::Write(const StepLine& l) {
       "\"policy_version\":%d,\"reshard_after_forward\":\"%s\","
       "\"microbatches\":%d,"
       "\"all_gather_seconds\":%.6f,\"reduce_scatter_seconds\":%.6f,"
+      "\"all_gathers\":%d,\"host_all_gathers\":%d,"
       "\"checkpoint\":%s,\"world_size\":%d,"
       "\"first_sample\":%d,\"sample_count\":%d,\"generation\":%d,"
       "\"first_microbatch\":%d,\"microbatch_count\":%d,"
@@ -121,9 +122,9 @@ void ReportFile::Write(const StepLine& l) {
       l.parameter_state_bytes, l.gathered_peak_bytes, ProcStatusBytes("VmRSS:"),
       ProcStatusBytes("VmHWM:"), l.policy_version, l.reshard_after_forward,
       l.microbatches, l.all_gather_seconds, l.reduce_scatter_seconds,
-      l.checkpoint ? "true" : "false", l.world_size, l.first_sample,
-      l.sample_count, l.generation, l.first_microbatch, l.microbatch_count,
-      l.commit_seconds,
+      l.all_gathers, l.host_all_gathers, l.checkpoint ? "true" : "false",
+      l.world_size, l.first_sample, l.sample_count, l.generation,
+      l.first_microbatch, l.microbatch_count, l.commit_seconds,
       l.heal_crc32c.has_value()
           ? absl::StrFormat(",\"heal_crc32c\":\"%08x\"", *l.heal_crc32c)
           : std::string(),

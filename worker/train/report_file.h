@@ -60,6 +60,10 @@ struct StepLine {
   int microbatches = 0;
   double all_gather_seconds = 0;
   double reduce_scatter_seconds = 0;
+  // All-gathers this rank issued in the step: over its shard group, and over
+  // its host group (hierarchical reshard).
+  int64_t all_gathers = 0;
+  int64_t host_all_gathers = 0;
   bool checkpoint = false;
   int world_size = 0;
   // Global sample indices this rank trained: [first, first + count).

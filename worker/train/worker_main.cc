@@ -224,6 +224,10 @@ int RunWorkerMain(int argc, char** argv, const TaskFactory* factory,
       ->envname("HSDP_GLOO_IFACE");
   app.add_option("--gloo-hostname", w.gloo_hostname, "address Gloo listens on")
       ->envname("HSDP_GLOO_HOSTNAME");
+  app.add_option("--host-id", w.host_id,
+                 "the host this worker reports for placement (default: the "
+                 "machine's hostname; in a container, the node's name)")
+      ->envname("HSDP_HOST_ID");
   app.add_option("--shared-memory", w.shared_memory,
                  "ranks on one host exchange unit all-gathers and "
                  "reduce-scatters through shared memory instead of TCP "

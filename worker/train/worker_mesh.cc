@@ -17,14 +17,15 @@ namespace hsdp::train {
 
 absl::StatusOr<std::unique_ptr<comm::DeviceMesh>> BuildWorkerMesh(
     const WorkerOptions& o, const comm::MeshShape& shape, int rank,
-    comm::Store& store, const c10::Device& device) {
+    comm::Store& store, const c10::Device& device, const std::string& host_id) {
   if (device.is_cuda()) {
 #if defined(HSDP_WITH_NCCL)
     comm::NcclOptions nccl;
     nccl.device = device.has_index() ? device.index() : 0;
     nccl.collective_timeout = o.collective_timeout;
     return comm::DeviceMesh::Create(shape, rank, "nccl",
-                                    comm::NcclCommunicatorFactory(store, nccl));
+                                    comm::NcclCommunicatorFactory(store, nccl),
+                                    host_id);
 #else
     return absl::FailedPreconditionError(
         absl::StrCat("--device ", o.device,
@@ -44,7 +45,8 @@ absl::StatusOr<std::unique_ptr<comm::DeviceMesh>> BuildWorkerMesh(
             LOG(INFO) << "rank " << rank << ": the " << group.kind
                       << " group stays on Gloo TCP (no shared memory: " << why
                       << ")";
-          }));
+          }),
+      host_id);
 }
 
 absl::StatusOr<double> MeshAverage(comm::DeviceMesh& mesh, double value,

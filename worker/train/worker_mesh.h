@@ -18,10 +18,12 @@
 namespace hsdp::train {
 
 // Gloo over TCP (shared memory between ranks of one host) for CPU ranks; NCCL
-// (when built in) for CUDA ranks. Both bootstrap through `store`.
+// (when built in) for CUDA ranks. Both bootstrap through `store`. With a
+// `host_id`, the mesh finds its host group (DeviceMesh::Create).
 absl::StatusOr<std::unique_ptr<comm::DeviceMesh>> BuildWorkerMesh(
     const WorkerOptions& options, const comm::MeshShape& shape, int rank,
-    comm::Store& store, const c10::Device& device);
+    comm::Store& store, const c10::Device& device,
+    const std::string& host_id = "");
 
 // The mean of `value` over every rank of the mesh (shard group, then replicate
 // group). A collective. The value travels on `device`: NCCL reduces device
