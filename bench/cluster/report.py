@@ -85,7 +85,7 @@ def main():
         row["bytes_step"] = inter / steps
         row["bytes_step_rx"] = inter_rx / steps
         row["control_step"] = control / steps
-        if config in ("hsdp", "full"):
+        if config in ("hsdp", "full", "full-hpz"):
             R, S = (H, G) if config == "hsdp" else (1, N)
             row["mesh"] = f"{R}x{S}"
             ranks = [read_jsonl(f"{run}/worker-{r}.jsonl") for r in range(N)]
@@ -103,13 +103,18 @@ def main():
                 # Replicate all-reduce (ring over R) of each rank's gradient shard, all of it
                 # across hosts: N * 2 * (P_S / S) * (R - 1) / R.
                 row["min_elems"] = N * 2 * (sum(padded) / S) * (R - 1) / R
-            else:
+            elif config == "full":
                 # Unit all-gathers in forward (every unit), again in backward (units resharded
                 # after forward), one reduce-scatter: each rank sends its shard to each of the
                 # N - G ranks on other hosts: (N - G) * P_N per collective.
                 gathered = 2 * sum(padded) - sum(p for p, f in zip(padded, raf) if f == "0")
                 row["min_elems"] = (N - G) * (gathered + sum(padded))
                 row["all_gathers"] = len(raf) + raf.count("1")
+            else:
+                # Hierarchical reshard: the backward all-gathers run over each host's ranks, so
+                # only the forward all-gathers and the reduce-scatter cross hosts.
+                row["min_elems"] = (N - G) * 2 * sum(padded)
+                row["host_all_gathers"] = ranks[0][-1].get("host_all_gathers", 0)
             comm = "?"
             for line in open(f"{run}/worker-0.log"):
                 m = re.search(r"communicators: (\S+), (\S+)", line)
@@ -155,15 +160,15 @@ def main():
     print(f"\n=== {H} hosts x {G} ranks, links {a.rate}: {a.shaping}")
     print(f"gpt dims {a.dims} (vocab {a.vocab}): P = {P} parameters ({P * 4 / MIB:.2f} MiB fp32);"
           f" {a.steps - a.warmup} measured steps after {a.warmup} warm-up")
-    hdr = (f"{'config':<6} {'mesh':<10} {'wall s/step':>11} {'rep s/step':>10} "
+    hdr = (f"{'config':<8} {'mesh':<10} {'wall s/step':>11} {'rep s/step':>10} "
            f"{'MB/step':>8} {'min MB':>7} {'x min':>6} {'ctl kB':>6} "
            f"{'tensor MiB':>10} {'RSS MiB':>8}  communicators")
     print(hdr)
     for config, row in rows.items():
         if "wall_step_s" not in row or "step_s" not in row:
-            print(f"{config:<6} (failed)")
+            print(f"{config:<8} (failed)")
             continue
-        print(f"{config:<6} {row['mesh']:<10} {row['wall_step_s']:>11.3f} {row['step_s']:>10.3f} "
+        print(f"{config:<8} {row['mesh']:<10} {row['wall_step_s']:>11.3f} {row['step_s']:>10.3f} "
               f"{row['bytes_step'] / 1e6:>8.2f} {row['min_bytes'] / 1e6:>7.2f} "
               f"{row['bytes_step'] / row['min_bytes']:>6.3f} {row['control_step'] / 1e3:>6.1f} "
               f"{max(row['tensor_peak']) / MIB:>10.1f} {max(row['rss_peak']) / MIB:>8.0f}  "
@@ -185,6 +190,12 @@ def main():
         r = ratio("hsdp", "full")
         print(f"  HSDP / 1x{N} step time  {r:.3f}  (target <= 0.80: {'met' if r <= 0.8 else 'NOT met'})"
               f"; by the ranks' step times {ratio('hsdp', 'full', 'step_s'):.3f}")
+    if ok("full-hpz", "full"):
+        b = rows["full-hpz"]["bytes_step"] / rows["full"]["bytes_step"]
+        print(f"  1x{N} with / without hierarchical reshard: step time {ratio('full-hpz', 'full'):.3f},"
+              f" inter-host bytes {b:.3f}, tensor peak"
+              f" {max(rows['full-hpz']['tensor_peak']) / max(rows['full']['tensor_peak']):.3f}"
+              f" ({rows['full-hpz'].get('host_all_gathers', 0)} host all-gathers per step)")
     if ok("hsdp", "ddp"):
         r = ratio("hsdp", "ddp")
         print(f"  HSDP / DDP step time   {r:.3f}  (target <= 0.90: {'met' if r <= 0.9 else 'NOT met'})"

@@ -4,6 +4,8 @@
 # same global batch, one after another:
 #   hsdp     hsdp HSDP, mesh HxG: shard inside a host (shared memory), replicate across hosts
 #   full     hsdp fully sharded, mesh 1x(H*G): one shard group across every rank (Gloo TCP)
+#   full-hpz the same with hierarchical reshard (policy reshard_after_forward_within_host; run
+#            only when asked, --configs "... full-hpz"): backward all-gathers stay inside a host
 #   ddp      PyTorch DDP on Gloo (bench/ddp/ddp_gpt.py, one process per rank)
 # and prints per configuration the step time and its ratios, the bytes per step on the inter-host
 # links (counted on the interfaces) against each strategy's minimum, and per-rank peak memory.
@@ -84,8 +86,8 @@ while (($#)); do
 done
 for config in $CONFIGS; do
   case "$config" in
-    hsdp | full | ddp) ;;
-    *) echo "unknown config $config (hsdp, full, ddp)" >&2; exit 2 ;;
+    hsdp | full | full-hpz | ddp) ;;
+    *) echo "unknown config $config (hsdp, full, full-hpz, ddp)" >&2; exit 2 ;;
   esac
 done
 WORLD=$((HOSTS * PER_HOST))
@@ -255,11 +257,12 @@ watch_job() { # run dir, progress files...
   wait "$watcher"
 }
 
-start_coordinator() { # run dir, mesh
-  local dir="$1" mesh="$2"
+start_coordinator() { # run dir, mesh, policy file (optional)
+  local dir="$1" mesh="$2" policy=()
+  [[ -n "${3:-}" ]] && policy=(--policy-file "$3")
   ip netns exec "$CNS" "$COORD_BIN" --job-id "cluster-bench" --world-size "$WORLD" --mesh "$mesh" \
     --listen "0.0.0.0:$COORD_PORT" --state-dir "$dir/coordinator-state" --metrics-listen "" \
-    >"$dir/coordinator.log" 2>&1 &
+    "${policy[@]}" >"$dir/coordinator.log" 2>&1 &
   coord_pid=$!
   pids+=("$coord_pid")
   local deadline=$((SECONDS + 60))
@@ -270,10 +273,10 @@ start_coordinator() { # run dir, mesh
   done
 }
 
-run_hsdp() { # run dir, mesh
+run_hsdp() { # run dir, mesh, policy file (optional)
   local dir="$1" mesh="$2" r h
   mkdir -p "$dir"
-  start_coordinator "$dir" "$mesh"
+  start_coordinator "$dir" "$mesh" "${3:-}"
   job_pids=()
   local progress=()
   # Rank r on host r / G: with rank = replicate_index * shard + shard_index (hsdp/mesh.h) the
@@ -284,7 +287,8 @@ run_hsdp() { # run dir, mesh
     $(on_host "$h") env OPENBLAS_NUM_THREADS=1 "$WORKER_BIN" \
       --coordinator "$COORD_IP:$COORD_PORT" --job-id cluster-bench --rank-hint "$r" \
       --model "$MODEL" --steps "$STEPS" --microbatch-size "$MICROBATCH_SIZE" --threads 1 \
-      --gloo-hostname "$(host_ip "$h")" --collective-timeout "$COLLECTIVE_TIMEOUT" \
+      --gloo-hostname "$(host_ip "$h")" --host-id "host$h" \
+      --collective-timeout "$COLLECTIVE_TIMEOUT" \
       --report-file "$dir/worker-$r.jsonl" >"$dir/worker-$r.log" 2>&1 &
     job_pids+=($!)
     pids+=($!)
@@ -336,6 +340,10 @@ for rate in ${RATES//,/ }; do
       case "$config" in
         hsdp) run_hsdp "$dir" "${HOSTS}x${PER_HOST}" ;;
         full) run_hsdp "$dir" "1x${WORLD}" ;;
+        full-hpz)
+          echo '{"reshardAfterForwardWithinHost": true}' >"$work/hpz-policy.json"
+          run_hsdp "$dir" "1x${WORLD}" "$work/hpz-policy.json"
+          ;;
         ddp) run_ddp "$dir" ;;
       esac
       echo "  round $round $config: done ($(tail -n 1 "$dir/watch.log"))"
