@@ -117,9 +117,9 @@ def main():
                 row["host_all_gathers"] = ranks[0][-1].get("host_all_gathers", 0)
             comm = "?"
             for line in open(f"{run}/worker-0.log"):
-                m = re.search(r"communicators: (\S+), (\S+)", line)
+                m = re.search(r"communicators: (.+)$", line)
                 if m:
-                    comm = f"{m.group(1)} {m.group(2)}"
+                    comm = m.group(1).strip().replace(", ", " ")
             row["comm"] = comm
             row["loss"] = (ranks[0][0]["loss"], ranks[0][-1]["loss"])
         elif config == "ddp":
