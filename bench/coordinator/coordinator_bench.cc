@@ -9,11 +9,17 @@
 // the coordinator pushes each sealed step; --push-ahead is how many steps past
 // the slowest rank's next step it pushes: 1 is the coordinator's default, 0 the
 // worst case where nobody holds a step before all of them need it).
+// Reports: "stream" (StreamReports: one message per step on a stream each
+// worker keeps open, as workers send them) or "unary" (one ReportStep call per
+// step and worker).
 //
 // Load: training ranks are synchronised by their collectives, so in burst mode
 // (the default) all N workers need step s at the same moment, then all report,
-// then a barrier. --paced-step-ms T spreads the workers evenly over a step
-// period of T ms instead (each needs step s at its own phase, then reports).
+// then a barrier, then --compute-ms of the step's compute (0 by default: the
+// next step is needed at once, so the coordinator's backlog of reports shows
+// in the hold time; real steps give it their compute time). --paced-step-ms T
+// spreads the workers evenly over a step period of T ms instead (each needs
+// step s at its own phase, then reports).
 //
 // Printed per N, over the timed steps:
 //  - hold (burst mode): the time from the moment the workers need step s until
@@ -80,7 +86,10 @@ struct Options {
   std::string state_dir;  // empty: no persistence
   // 0: burst mode; > 0: paced mode with this step period.
   int paced_step_ms = 0;
+  // Burst mode: the compute time between a step's barrier and the next need.
+  int compute_ms = 0;
   std::string transport = "unary";
+  std::string reports = "stream";
   int push_ahead = hsdp::coordinator::kDefaultPushAhead;
 };
 
@@ -222,8 +231,10 @@ void AtomicMax(std::atomic<int64_t>& a, int64_t v) {
 class ClientShard {
  public:
   ClientShard(const std::string& address, std::vector<int> ranks, int channels,
-              int shard_index, bool stream)
-      : stream_(stream), workers_(ranks.size()) {
+              int shard_index, bool stream, bool stream_reports)
+      : stream_(stream),
+        stream_reports_(stream_reports),
+        workers_(ranks.size()) {
     for (size_t i = 0; i < ranks.size(); ++i) workers_[i].rank = ranks[i];
     for (int c = 0; c < channels; ++c) {
       grpc::ChannelArguments args;
@@ -238,6 +249,7 @@ class ClientShard {
   ~ClientShard() {
     for (Worker& w : workers_) {
       if (w.stream_context) w.stream_context->TryCancel();
+      if (w.report_stream_context) w.report_stream_context->TryCancel();
     }
     cq_.Shutdown();
     void* tag;
@@ -257,6 +269,20 @@ class ClientShard {
         std::fprintf(stderr, "join rank %d: %s\n", workers_[i].rank,
                      s.error_message().c_str());
         return false;
+      }
+    }
+    if (stream_reports_) {
+      for (size_t i = 0; i < workers_.size(); ++i) {
+        Worker& w = workers_[i];
+        w.report_stream_context = std::make_unique<grpc::ClientContext>();
+        w.report_writer = Stub(i).AsyncStreamReports(
+            w.report_stream_context.get(), &w.report_stream_response, &cq_,
+            Tag(i, kReportStreamStarted));
+      }
+      // A stream takes writes once it started.
+      pending_started_ = workers_.size();
+      while (pending_started_ > 0) {
+        if (!Pump()) return false;
       }
     }
     if (!stream_) return true;
@@ -303,6 +329,16 @@ class ClientShard {
     for (size_t i = 0; i < workers_.size(); ++i) StartReport(i, step);
     while (pending_reports_ > 0) {
       if (!Pump()) return false;
+    }
+    return true;
+  }
+
+  // Handles completions (pushes arriving, reports sent) for `period`, as a
+  // worker's agent does while its training thread computes. False on an error.
+  bool PumpFor(std::chrono::milliseconds period) {
+    const Clock::time_point until = Clock::now() + period;
+    while (Clock::now() < until) {
+      if (!Pump(until)) return false;
     }
     return true;
   }
@@ -358,8 +394,10 @@ class ClientShard {
     kStreamStarted = 0,
     kStreamRead = 1,
     kFetched = 2,
-    kReported = 3
+    kReported = 3,
+    kReportStreamStarted = 4,
   };
+  static constexpr int kTagBits = 3;
 
   struct Worker {
     int rank = 0;
@@ -383,6 +421,11 @@ class ClientShard {
         report;
     hsdp::v1::ReportStepResponse reported;
     grpc::Status report_status;
+    // Streamed reports: a write completes as kReported.
+    std::unique_ptr<grpc::ClientContext> report_stream_context;
+    std::unique_ptr<grpc::ClientAsyncWriter<hsdp::v1::ReportStepRequest>>
+        report_writer;
+    hsdp::v1::ReportStepResponse report_stream_response;
     // The step it waits for, since when, and when it held it.
     int64_t needed_step = -1;
     Clock::time_point need, held;
@@ -393,7 +436,7 @@ class ClientShard {
   };
 
   static void* Tag(size_t worker, TagKind kind) {
-    return reinterpret_cast<void*>((worker << 2) | kind);
+    return reinterpret_cast<void*>((worker << kTagBits) | kind);
   }
 
   CoordinatorService::Stub& Stub(size_t worker) {
@@ -427,6 +470,11 @@ class ClientShard {
     report->set_loss(2.0);
     report->set_step_seconds(0.5);
     report->set_peak_memory_bytes(int64_t{8} << 30);
+    if (stream_reports_) {
+      w.report_status = grpc::Status::OK;
+      w.report_writer->Write(request, Tag(i, kReported));
+      return;
+    }
     w.report_context = Context();
     w.report = Stub(i).AsyncReportStep(w.report_context.get(), request, &cq_);
     w.report->Finish(&w.reported, &w.report_status, Tag(i, kReported));
@@ -461,10 +509,14 @@ class ClientShard {
       if (got == grpc::CompletionQueue::TIMEOUT) return true;
     }
     const auto bits = reinterpret_cast<uintptr_t>(tag);
-    const size_t i = bits >> 2;
+    const size_t i = bits >> kTagBits;
     Worker& w = workers_[i];
     const Clock::time_point now = Clock::now();
-    switch (static_cast<TagKind>(bits & 3)) {
+    switch (static_cast<TagKind>(bits & ((1 << kTagBits) - 1))) {
+      case kReportStreamStarted:
+        if (!ok) return Fail("StreamReports did not start");
+        --pending_started_;
+        return true;
       case kStreamStarted:
         if (!ok) return Fail("WatchSchedules did not start");
         w.reader->Read(&w.incoming, Tag(i, kStreamRead));
@@ -521,9 +573,11 @@ class ClientShard {
   }
 
   const bool stream_;
+  const bool stream_reports_;
   std::vector<Worker> workers_;
   std::vector<std::unique_ptr<CoordinatorService::Stub>> stubs_;
   grpc::CompletionQueue cq_;
+  size_t pending_started_ = 0;
   size_t pending_held_ = 0;
   size_t pending_reports_ = 0;
   std::vector<StepTimes>* paced_times_ = nullptr;
@@ -571,9 +625,9 @@ bool RunOne(const Options& options, int n, Result* result) {
   for (int t = 0; t < threads; ++t) {
     std::vector<int> ranks;
     for (int r = t; r < n; r += threads) ranks.push_back(r);
-    shards.push_back(
-        std::make_unique<ClientShard>(child.address(), std::move(ranks),
-                                      options.channels_per_thread, t, stream));
+    shards.push_back(std::make_unique<ClientShard>(
+        child.address(), std::move(ranks), options.channels_per_thread, t,
+        stream, options.reports == "stream"));
   }
   const int64_t total_steps = kWarmupSteps + options.steps;
   std::vector<StepTimes> times(static_cast<size_t>(total_steps));
@@ -596,6 +650,10 @@ bool RunOne(const Options& options, int n, Result* result) {
       auto burst = [&](int64_t s, std::vector<double>* w) {
         if (!failed && !shard.BurstStep(s, &times[s], w)) failed = true;
         if (step_barriers[s]->Block()) delete step_barriers[s];
+        if (!failed && options.compute_ms > 0 &&
+            !shard.PumpFor(std::chrono::milliseconds(options.compute_ms))) {
+          failed = true;
+        }
       };
       for (int64_t s = 0; s < kWarmupSteps; ++s) burst(s, &ignored);
       if (warmed->Block()) delete warmed;
@@ -665,10 +723,17 @@ int main(int argc, char** argv) {
   app.add_option("--paced-step-ms", options.paced_step_ms,
                  "Paced mode: step period in ms, workers spread over it "
                  "(default 0: burst mode)");
+  app.add_option("--compute-ms", options.compute_ms,
+                 "Burst mode: compute time per step between the barrier and "
+                 "the next step (default 0)");
   app.add_option("--state-dir", options.state_dir,
                  "Persist sealed steps (fsync) under DIR");
   app.add_option("--transport", options.transport,
                  "unary (GetSchedule) or stream (WatchSchedules)")
+      ->check(CLI::IsMember({"unary", "stream"}));
+  app.add_option("--reports", options.reports,
+                 "stream (StreamReports, as workers send them) or unary "
+                 "(ReportStep per step)")
       ->check(CLI::IsMember({"unary", "stream"}));
   app.add_option("--push-ahead", options.push_ahead,
                  "Stream: steps pushed past the slowest rank's next step");
@@ -681,19 +746,21 @@ int main(int argc, char** argv) {
   }
 
   std::printf(
-      "coordinator_bench: %s, transport %s%s, %d steps (+%d warm-up), %d "
-      "units, %d client threads x %d channels, %s; the coordinator in its own "
-      "process\n",
+      "coordinator_bench: %s, transport %s%s, reports %s, %d steps (+%d "
+      "warm-up), %d units, %d client threads x %d channels, %s; the "
+      "coordinator in its own process\n",
       options.paced_step_ms > 0
           ? absl::StrCat("paced mode (step ", options.paced_step_ms, " ms)")
                 .c_str()
-          : "burst mode (all ranks at once, barrier per step)",
+          : absl::StrCat("burst mode (all ranks at once, barrier per step, ",
+                         options.compute_ms, " ms compute)")
+                .c_str(),
       options.transport.c_str(),
       options.transport == "stream"
           ? absl::StrCat(" (push ahead ", options.push_ahead, ")").c_str()
           : "",
-      options.steps, kWarmupSteps, options.layers + 1, options.client_threads,
-      options.channels_per_thread,
+      options.reports.c_str(), options.steps, kWarmupSteps, options.layers + 1,
+      options.client_threads, options.channels_per_thread,
       options.state_dir.empty() ? "no persistence" : "persistence with fsync");
   std::printf("%7s %10s %10s %10s %10s %10s %12s %9s %12s %12s %8s %7s\n",
               "workers", "hold_p50", "hold_p99", "wait_p50", "wait_p99",

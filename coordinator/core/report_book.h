@@ -3,9 +3,9 @@
 #define HSDP_COORDINATOR_CORE_REPORT_BOOK_H_
 
 #include <cstdint>
-#include <map>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/synchronization/mutex.h"
 #include "hsdp/v1/coordinator_service.pb.h"
 
@@ -25,7 +25,8 @@ class ReportBook {
 
  private:
   mutable absl::Mutex mu_;
-  std::map<int64_t, hsdp::v1::StepReport> latest_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<int64_t, hsdp::v1::StepReport> latest_
+      ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace hsdp::coordinator

@@ -25,6 +25,7 @@
 #include "coordinator/core/schedule_log.h"
 #include "coordinator/core/trace_collector.h"
 #include "coordinator/service/grpc_status.h"
+#include "coordinator/service/report_stream.h"
 #include "coordinator/service/schedule_feed.h"
 #include "hsdp/mesh.h"
 
@@ -309,6 +310,17 @@ grpc::ServerUnaryReactor* CoordinatorServiceImpl::ReportStep(
     const hsdp::v1::ReportStepRequest* request,
     hsdp::v1::ReportStepResponse* /*response*/) {
   return ServeInline(context, [&]() { return RecordReport(*request); });
+}
+
+grpc::ServerReadReactor<hsdp::v1::ReportStepRequest>*
+CoordinatorServiceImpl::StreamReports(
+    grpc::CallbackServerContext* context,
+    hsdp::v1::ReportStepResponse* /*response*/) {
+  return ReadReports(context, job_auth_.Check(*context),
+                     [this](const hsdp::v1::ReportStepRequest& request) {
+                       CallTracker::Scope in_flight(service_.calls);
+                       return RecordReport(request);
+                     });
 }
 
 grpc::Status CoordinatorServiceImpl::ReportStep(

@@ -35,12 +35,15 @@ namespace hsdp::coordinator {
 // Bearer <job token>`; a call without it or with another token is
 // UNAUTHENTICATED and reads or changes nothing.
 // The generated service with the quick per-step calls (Heartbeat,
-// ReportStep) on the callback API and WatchSchedules raw (see below).
+// ReportStep, StreamReports) on the callback API and WatchSchedules raw (see
+// below).
 using CoordinatorServiceBase =
     hsdp::v1::CoordinatorService::WithCallbackMethod_Heartbeat<
         hsdp::v1::CoordinatorService::WithCallbackMethod_ReportStep<
-            hsdp::v1::CoordinatorService::WithRawCallbackMethod_WatchSchedules<
-                hsdp::v1::CoordinatorService::Service>>>;
+            hsdp::v1::CoordinatorService::WithCallbackMethod_StreamReports<
+                hsdp::v1::CoordinatorService::
+                    WithRawCallbackMethod_WatchSchedules<
+                        hsdp::v1::CoordinatorService::Service>>>>;
 
 class CoordinatorServiceImpl final : public CoordinatorServiceBase {
  public:
@@ -66,6 +69,12 @@ class CoordinatorServiceImpl final : public CoordinatorServiceBase {
   grpc::Status Heartbeat(grpc::ServerContext* context,
                          const hsdp::v1::HeartbeatRequest* request,
                          hsdp::v1::HeartbeatResponse* response) override;
+  // One reader per stream (report_stream.h); each message is recorded as
+  // ReportStep records it.
+  using CoordinatorServiceBase::StreamReports;
+  grpc::ServerReadReactor<hsdp::v1::ReportStepRequest>* StreamReports(
+      grpc::CallbackServerContext* context,
+      hsdp::v1::ReportStepResponse* response) override;
   grpc::Status AwaitGeneration(
       grpc::ServerContext* context,
       const hsdp::v1::AwaitGenerationRequest* request,

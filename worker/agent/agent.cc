@@ -168,6 +168,9 @@ Agent::Agent(AgentOptions options) : options_(std::move(options)) {
   auto channel = grpc::experimental::CreateCustomChannelWithInterceptors(
       options_.coordinator, creds, args, std::move(interceptors));
   stub_ = hsdp::v1::CoordinatorService::NewStub(channel);
+  if (options_.stream_reports) {
+    report_stream_ = std::make_unique<ReportStream>(channel);
+  }
 }
 
 Agent::~Agent() {
@@ -435,6 +438,15 @@ absl::Status Agent::ReportStep(const hsdp::v1::StepReport& report,
     if (join_.rank() >= 0) req.mutable_report()->set_rank(join_.rank());
   }
   req.set_finished(finished);
+  if (report_stream_ != nullptr) {
+    if (!finished) {
+      if (report_stream_->Send(req).ok()) return absl::OkStatus();
+      // Not sent: the call below carries it, retrying and re-joining.
+    } else {
+      // The last report is acknowledged, after every streamed one.
+      report_stream_->Close().IgnoreError();
+    }
+  }
   hsdp::v1::ReportStepResponse resp;
   const std::string what = absl::StrCat("ReportStep(step ", report.step(), ")");
   const int64_t epoch = join_epoch();

@@ -54,6 +54,7 @@
 #include "absl/time/time.h"
 #include "hsdp/v1/coordinator_service.grpc.pb.h"
 #include "worker/agent/clock_offset.h"
+#include "worker/agent/report_stream.h"
 #include "worker/agent/schedule_stream.h"
 
 namespace hsdp::agent {
@@ -98,6 +99,10 @@ struct AgentOptions {
   // (schedule_stream.h) while it serves them; GetSchedule covers the rest and
   // older coordinators.
   bool watch_schedules = true;
+  // Send step reports as messages on the coordinator's StreamReports stream
+  // (report_stream.h) while it serves it; ReportStep covers the rest (a
+  // worker's last report, a broken stream, older coordinators).
+  bool stream_reports = true;
 };
 
 // Paths from the worker's command line (empty: not given): --job-token-file,
@@ -270,6 +275,8 @@ class Agent {
   std::future<absl::StatusOr<hsdp::v1::GetScheduleResponse>> prefetch_;
   // Opened by the first GetSchedule (watch_schedules); same single consumer.
   std::unique_ptr<ScheduleStream> schedule_stream_;
+  // Set when stream_reports; used by the thread calling ReportStep.
+  std::unique_ptr<ReportStream> report_stream_;
 
   ClockOffsetEstimator clock_;
 

@@ -185,6 +185,23 @@ TEST(AgentTest, JoinScheduleWithPrefetchReportAndHeartbeat) {
   EXPECT_EQ(fake.reported_, (std::vector<int64_t>{2}));
 }
 
+// A coordinator without StreamReports (UNIMPLEMENTED) gets every report by
+// ReportStep, in order, none lost.
+TEST(AgentTest, ReportsGoByCallWhenTheCoordinatorStreamsNone) {
+  FakeCoordinator fake;
+  int port = 0;
+  auto server = Serve(&fake, "127.0.0.1:0", &port);
+  Agent agent(Options(port));
+  ASSERT_TRUE(agent.Join().ok());
+  for (int64_t step = 0; step < 3; ++step) {
+    v1::StepReport report;
+    report.set_step(step);
+    ASSERT_TRUE(agent.ReportStep(report, /*finished=*/false).ok()) << step;
+  }
+  absl::MutexLock lock(&fake.mu_);
+  EXPECT_EQ(fake.reported_, (std::vector<int64_t>{0, 1, 2}));
+}
+
 TEST(AgentTest, DrainedStopsPrefetch) {
   FakeCoordinator fake;
   {
