@@ -261,7 +261,7 @@ void Planner::ChooseKeptUnits(const Policy& resolved, StepSchedule* schedule) {
   const int bwd = resolved.backward_prefetch_depth();
   int64_t predicted = PredictedPeakBytes(*schedule);
   const bool over = predicted > budget;
-  if (!over && link().declared()) {
+  if (!over && BackwardLink(*schedule).declared()) {
     // Both ways, and the one that saves more time on the link (on a tie the
     // plan without links: the knapsack's weights, each block alone, are an
     // approximation of a peak that is not additive).
@@ -309,16 +309,28 @@ int64_t Planner::GatheredBytes(int unit) const {
   return units_[unit].param_bytes() * (s - 1) / s;
 }
 
+const LinkCost& Planner::BackwardLink(const StepSchedule& schedule) const {
+  return schedule.post_forward_group_size() > 1 ? links_.intra_host : link();
+}
+
+int64_t Planner::BackwardGatheredBytes(const StepSchedule& schedule,
+                                       int unit) const {
+  const int64_t k = schedule.post_forward_group_size();
+  if (k <= 1) return GatheredBytes(unit);
+  return units_[unit].param_bytes() * (k - 1) / k;
+}
+
 AllGatherSavings Planner::Savings(const StepSchedule& schedule) const {
   AllGatherSavings savings;
   const int64_t m = std::max(1, schedule.microbatches_size());
+  const LinkCost& backward = BackwardLink(schedule);
   // The root is kept by the root rule, not by a choice: blocks only.
   for (int i = 1; i < schedule.units_size() && i < num_units(); ++i) {
     if (schedule.units(i).reshard_after_forward()) continue;
+    const int64_t bytes = BackwardGatheredBytes(schedule, i);
     savings.count += m;
-    savings.bytes += m * GatheredBytes(i);
-    savings.seconds +=
-        static_cast<double>(m) * link().Seconds(GatheredBytes(i));
+    savings.bytes += m * bytes;
+    savings.seconds += static_cast<double>(m) * backward.Seconds(bytes);
   }
   return savings;
 }
@@ -347,7 +359,8 @@ int64_t Planner::ChooseKeptUnitsByTime(const std::vector<int>& candidates,
     schedule->mutable_units(i)->set_reshard_after_forward(true);
     slots[k] = static_cast<int>(
         std::min<int64_t>(kKnapsackSlots + 1, (weight[k] + slot - 1) / slot));
-    value[k] = link().Seconds(GatheredBytes(i));
+    value[k] =
+        BackwardLink(*schedule).Seconds(BackwardGatheredBytes(*schedule, i));
   }
   // 0/1 knapsack over the slots; ties keep the earlier (smaller) blocks.
   std::vector<double> best(kKnapsackSlots + 1, 0.0);

@@ -121,7 +121,9 @@ struct LinkCosts {
 
 // The backward all-gathers per step that a schedule's blocks kept unsharded
 // after forward save, per rank: how many, the bytes each rank does not
-// receive, and their predicted time on the link in use (0 when undeclared).
+// receive, and their predicted time on the link they would cross (0 when
+// undeclared): the shard group's, or under hierarchical reshard
+// (post_forward_group_size > 1) the host group's, inside a host.
 struct AllGatherSavings {
   int64_t count = 0;
   int64_t bytes = 0;
@@ -208,7 +210,8 @@ class Planner {
   const LinkCost& link() const {
     return cross_hosts_ ? links_.inter_host : links_.intra_host;
   }
-  // What `schedule`'s kept blocks save, on link().
+  // What `schedule`'s kept blocks save, each on the link its backward gather
+  // would cross.
   AllGatherSavings Savings(const hsdp::v1::StepSchedule& schedule) const;
 
   // Bytes added to the model's predictions (0 until the first report).
@@ -251,8 +254,16 @@ class Planner {
                             int forward_depth, int backward_depth,
                             int64_t predicted,
                             hsdp::v1::StepSchedule* schedule) const;
-  // Bytes a rank receives in unit `unit`'s all-gather.
+  // Bytes a rank receives in unit `unit`'s all-gather over the shard group.
   int64_t GatheredBytes(int unit) const;
+  // The link a resharded block's backward all-gather crosses under
+  // `schedule`: the host group's (intra-host) under hierarchical reshard,
+  // else link().
+  const LinkCost& BackwardLink(const hsdp::v1::StepSchedule& schedule) const;
+  // Bytes a rank receives in unit `unit`'s backward all-gather under
+  // `schedule` (over the host group of k: (k - 1) / k of the unit).
+  int64_t BackwardGatheredBytes(const hsdp::v1::StepSchedule& schedule,
+                                int unit) const;
   int num_units() const { return static_cast<int>(units_.size()); }
   int64_t Corrected(int64_t raw) const;
   // What distinguishes one plan from another for memory.

@@ -346,6 +346,47 @@ TEST(PlannerTest, ReshardWithinHostNeedsHostGroupsAndMovesBackwardGathers) {
   EXPECT_LT(host, kept);
 }
 
+// Under hierarchical reshard a kept block saves a backward gather inside the
+// host: the memory-budget planner prices it on the intra-host link, for the
+// host group's bytes ((k - 1) / k of the block, not (S - 1) / S).
+TEST(PlannerTest, KeptBlocksUnderHierarchicalReshardSaveGathersInsideTheHost) {
+  Planner planner(MakeUnits(1000, {400, 400, 400, 400}), 4);
+  LinkCosts links;
+  links.intra_host = {/*bytes_per_second=*/1e9, /*latency_seconds=*/1e-6};
+  links.inter_host = {/*bytes_per_second=*/1e6, /*latency_seconds=*/1e-3};
+  planner.SetLinks(links);
+  planner.SetShardGroupsCrossHosts(true);
+  planner.SetHostGroupSize(2);
+  // A budget every plan fits: all four blocks kept in both.
+  const StepSchedule across =
+      planner.Plan(P("memory_budget_bytes: 100000000"), {});
+  const StepSchedule within = planner.Plan(P(R"(memory_budget_bytes: 100000000
+                        reshard_after_forward_within_host: true)"),
+                                           {});
+  ASSERT_EQ(within.post_forward_group_size(), 2);
+  const AllGatherSavings a = planner.Savings(across);
+  const AllGatherSavings w = planner.Savings(within);
+  EXPECT_EQ(a.count, 4);
+  EXPECT_EQ(w.count, 4);
+  EXPECT_EQ(a.bytes, 4 * 300);  // 400 * 3/4 over the shard group of 4
+  EXPECT_EQ(w.bytes, 4 * 200);  // 400 * 1/2 over the host group of 2
+  EXPECT_DOUBLE_EQ(a.seconds, 4 * links.inter_host.Seconds(300));
+  EXPECT_DOUBLE_EQ(w.seconds, 4 * links.intra_host.Seconds(200));
+  // Without an intra-host figure the time-based choice has nothing to weigh:
+  // the plan is the smallest-first one, and saves no predicted time.
+  Planner undeclared(MakeUnits(1000, {400, 400, 400, 400}), 4);
+  LinkCosts inter_only;
+  inter_only.inter_host = links.inter_host;
+  undeclared.SetLinks(inter_only);
+  undeclared.SetShardGroupsCrossHosts(true);
+  undeclared.SetHostGroupSize(2);
+  const StepSchedule plain = undeclared.Plan(P(R"(memory_budget_bytes: 100000000
+           reshard_after_forward_within_host: true)"),
+                                             {});
+  EXPECT_EQ(Kept(plain), Kept(within));
+  EXPECT_EQ(undeclared.Savings(plain).seconds, 0);
+}
+
 // Root 400 bytes, six layers of 100, S = 2.
 UnitList BudgetUnits() {
   return MakeUnits(400, {100, 100, 100, 100, 100, 100});
