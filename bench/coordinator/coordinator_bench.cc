@@ -423,9 +423,9 @@ class ClientShard {
     grpc::Status report_status;
     // Streamed reports: a write completes as kReported.
     std::unique_ptr<grpc::ClientContext> report_stream_context;
-    std::unique_ptr<grpc::ClientAsyncWriter<hsdp::v1::ReportStepRequest>>
+    std::unique_ptr<grpc::ClientAsyncWriter<hsdp::v1::StreamReportsRequest>>
         report_writer;
-    hsdp::v1::ReportStepResponse report_stream_response;
+    hsdp::v1::StreamReportsResponse report_stream_response;
     // The step it waits for, since when, and when it held it.
     int64_t needed_step = -1;
     Clock::time_point need, held;
@@ -472,7 +472,9 @@ class ClientShard {
     report->set_peak_memory_bytes(int64_t{8} << 30);
     if (stream_reports_) {
       w.report_status = grpc::Status::OK;
-      w.report_writer->Write(request, Tag(i, kReported));
+      hsdp::v1::StreamReportsRequest message;
+      *message.mutable_report() = std::move(request);
+      w.report_writer->Write(message, Tag(i, kReported));
       return;
     }
     w.report_context = Context();

@@ -312,10 +312,10 @@ grpc::ServerUnaryReactor* CoordinatorServiceImpl::ReportStep(
   return ServeInline(context, [&]() { return RecordReport(*request); });
 }
 
-grpc::ServerReadReactor<hsdp::v1::ReportStepRequest>*
+grpc::ServerReadReactor<hsdp::v1::StreamReportsRequest>*
 CoordinatorServiceImpl::StreamReports(
     grpc::CallbackServerContext* context,
-    hsdp::v1::ReportStepResponse* /*response*/) {
+    hsdp::v1::StreamReportsResponse* /*response*/) {
   return ReadReports(context, job_auth_.Check(*context),
                      [this](const hsdp::v1::ReportStepRequest& request) {
                        CallTracker::Scope in_flight(service_.calls);

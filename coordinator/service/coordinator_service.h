@@ -72,9 +72,9 @@ class CoordinatorServiceImpl final : public CoordinatorServiceBase {
   // One reader per stream (report_stream.h); each message is recorded as
   // ReportStep records it.
   using CoordinatorServiceBase::StreamReports;
-  grpc::ServerReadReactor<hsdp::v1::ReportStepRequest>* StreamReports(
+  grpc::ServerReadReactor<hsdp::v1::StreamReportsRequest>* StreamReports(
       grpc::CallbackServerContext* context,
-      hsdp::v1::ReportStepResponse* response) override;
+      hsdp::v1::StreamReportsResponse* response) override;
   grpc::Status AwaitGeneration(
       grpc::ServerContext* context,
       const hsdp::v1::AwaitGenerationRequest* request,

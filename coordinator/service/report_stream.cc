@@ -10,7 +10,7 @@ namespace hsdp::coordinator {
 namespace {
 
 class ReportReader final
-    : public grpc::ServerReadReactor<hsdp::v1::ReportStepRequest> {
+    : public grpc::ServerReadReactor<hsdp::v1::StreamReportsRequest> {
  public:
   ReportReader(grpc::CallbackServerContext* context, RecordReportFn record)
       : record_(std::move(record)) {
@@ -24,7 +24,7 @@ class ReportReader final
       Finish(grpc::Status::OK);
       return;
     }
-    const absl::Status recorded = record_(request_);
+    const absl::Status recorded = record_(request_.report());
     if (!recorded.ok()) {
       Finish(ToGrpcStatus(recorded));
       return;
@@ -36,11 +36,11 @@ class ReportReader final
 
  private:
   const RecordReportFn record_;
-  hsdp::v1::ReportStepRequest request_;
+  hsdp::v1::StreamReportsRequest request_;
 };
 
 class RefusedReader final
-    : public grpc::ServerReadReactor<hsdp::v1::ReportStepRequest> {
+    : public grpc::ServerReadReactor<hsdp::v1::StreamReportsRequest> {
  public:
   explicit RefusedReader(const absl::Status& why) { Finish(ToGrpcStatus(why)); }
   void OnDone() override { delete this; }
@@ -48,7 +48,7 @@ class RefusedReader final
 
 }  // namespace
 
-grpc::ServerReadReactor<hsdp::v1::ReportStepRequest>* ReadReports(
+grpc::ServerReadReactor<hsdp::v1::StreamReportsRequest>* ReadReports(
     grpc::CallbackServerContext* context, const absl::Status& admitted,
     RecordReportFn record) {
   if (!admitted.ok()) return new RefusedReader(admitted);

@@ -43,7 +43,7 @@ using RecordReportFn =
 // A reader for the stream of `context`, that first checks `admitted` (e.g.
 // the job token: a refused stream ends with it before reading anything).
 // Owned by gRPC until its OnDone.
-grpc::ServerReadReactor<hsdp::v1::ReportStepRequest>* ReadReports(
+grpc::ServerReadReactor<hsdp::v1::StreamReportsRequest>* ReadReports(
     grpc::CallbackServerContext* context, const absl::Status& admitted,
     RecordReportFn record);
 

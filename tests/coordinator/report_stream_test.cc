@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/time/clock.h"
 #include "coordinator/server.h"
 #include "hsdp/v1/control_service.grpc.pb.h"
 #include "hsdp/v1/coordinator_service.grpc.pb.h"
@@ -24,7 +25,7 @@ using ::hsdp::testing::Connect;
 using ::hsdp::testing::Ctx;
 using ::hsdp::testing::MakeJoin;
 using ::hsdp::v1::CoordinatorService;
-using Writer = grpc::ClientWriter<hsdp::v1::ReportStepRequest>;
+using Writer = grpc::ClientWriter<hsdp::v1::StreamReportsRequest>;
 
 constexpr char kJob[] = "job-reports";
 constexpr char kToken[] = "job-token-reports-0123456789";
@@ -77,6 +78,13 @@ class ReportStreamTest : public ::testing::Test {
     return request;
   }
 
+  static hsdp::v1::StreamReportsRequest Streamed(
+      const hsdp::v1::ReportStepRequest& report) {
+    hsdp::v1::StreamReportsRequest message;
+    *message.mutable_report() = report;
+    return message;
+  }
+
   // rank -> its last recorded report, from ListWorkers.
   std::vector<hsdp::v1::StepReport> LastReports() {
     auto control = hsdp::v1::ControlService::NewStub(channel_);
@@ -99,7 +107,7 @@ class ReportStreamTest : public ::testing::Test {
 TEST_F(ReportStreamTest, RecordsEveryReportInOrderAndMovesTheWindow) {
   Start();
   std::vector<std::unique_ptr<grpc::ClientContext>> contexts;
-  std::vector<hsdp::v1::ReportStepResponse> responses(kWorld);
+  std::vector<hsdp::v1::StreamReportsResponse> responses(kWorld);
   std::vector<std::unique_ptr<Writer>> writers;
   for (int r = 0; r < kWorld; ++r) {
     contexts.push_back(Context());
@@ -113,7 +121,8 @@ TEST_F(ReportStreamTest, RecordsEveryReportInOrderAndMovesTheWindow) {
   constexpr int64_t kSteps = 6;
   for (int64_t step = 0; step < kSteps; ++step) {
     for (int r = 0; r < kWorld; ++r) {
-      ASSERT_TRUE(writers[r]->Write(Report(r, step))) << r << " " << step;
+      ASSERT_TRUE(writers[r]->Write(Streamed(Report(r, step))))
+          << r << " " << step;
     }
   }
   // Closing waits until every report sent was recorded.
@@ -142,14 +151,19 @@ TEST_F(ReportStreamTest, EndsWithTheErrorReportStepGivesTheSameReport) {
   ASSERT_FALSE(unary.ok());
 
   auto context = Context();
-  hsdp::v1::ReportStepResponse response;
+  hsdp::v1::StreamReportsResponse response;
   std::unique_ptr<Writer> writer =
       stub_->StreamReports(context.get(), &response);
-  ASSERT_TRUE(writer->Write(Report(0, 2)));
-  writer->Write(stranger);
-  // The stream ended at the stranger: further writes fail.
+  ASSERT_TRUE(writer->Write(Streamed(Report(0, 2))));
+  writer->Write(Streamed(stranger));
+  // The stream ended at the stranger: once the worker's side learns it,
+  // writes fail.
   bool wrote = true;
-  for (int i = 0; i < 200 && wrote; ++i) wrote = writer->Write(Report(0, 4));
+  const absl::Time give_up = absl::Now() + absl::Seconds(20);
+  while (wrote && absl::Now() < give_up) {
+    wrote = writer->Write(Streamed(Report(0, 4)));
+    absl::SleepFor(absl::Milliseconds(5));
+  }
   EXPECT_FALSE(wrote);
   const grpc::Status streamed = writer->Finish();
   EXPECT_EQ(streamed.error_code(), unary.error_code());
@@ -160,12 +174,12 @@ TEST_F(ReportStreamTest, EndsWithTheErrorReportStepGivesTheSameReport) {
 TEST_F(ReportStreamTest, WithoutTheJobTokenNothingIsRead) {
   Start(kToken);
   grpc::ClientContext context;  // no token
-  hsdp::v1::ReportStepResponse response;
+  hsdp::v1::StreamReportsResponse response;
   std::unique_ptr<Writer> writer = stub_->StreamReports(&context, &response);
   writer->WaitForInitialMetadata();
   EXPECT_EQ(context.GetServerInitialMetadata().count(kReportStreamMetadataKey),
             0u);
-  writer->Write(Report(0, 5));
+  writer->Write(Streamed(Report(0, 5)));
   writer->WritesDone();
   EXPECT_EQ(writer->Finish().error_code(), grpc::StatusCode::UNAUTHENTICATED);
   EXPECT_EQ(server_->schedule_log().min_completed_step(), -1);

@@ -67,7 +67,9 @@ absl::Status ReportStream::Send(const hsdp::v1::ReportStepRequest& request) {
   if (writer_ == nullptr) {
     if (absl::Status opened = OpenLocked(); !opened.ok()) return opened;
   }
-  if (writer_->Write(request)) return absl::OkStatus();
+  hsdp::v1::StreamReportsRequest message;
+  *message.mutable_report() = request;
+  if (writer_->Write(message)) return absl::OkStatus();
   // The stream ended (its status says why); this report was not sent.
   absl::Status why = FinishLocked(/*writes_done=*/false);
   if (why.ok()) why = absl::UnavailableError("StreamReports ended");

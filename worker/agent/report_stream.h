@@ -64,8 +64,8 @@ class ReportStream {
   const std::unique_ptr<hsdp::v1::CoordinatorService::Stub> stub_;
   mutable absl::Mutex mu_;
   std::unique_ptr<grpc::ClientContext> context_ ABSL_GUARDED_BY(mu_);
-  hsdp::v1::ReportStepResponse response_ ABSL_GUARDED_BY(mu_);
-  std::unique_ptr<grpc::ClientWriter<hsdp::v1::ReportStepRequest>> writer_
+  hsdp::v1::StreamReportsResponse response_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<grpc::ClientWriter<hsdp::v1::StreamReportsRequest>> writer_
       ABSL_GUARDED_BY(mu_);
   bool unsupported_ ABSL_GUARDED_BY(mu_) = false;
 };
