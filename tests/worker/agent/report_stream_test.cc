@@ -19,6 +19,7 @@
 #include "coordinator/core/membership.h"
 #include "coordinator/server.h"
 #include "gtest/gtest.h"
+#include "tests/worker/agent/live_coordinator.h"
 #include "worker/agent/agent.h"
 
 namespace hsdp::agent {
@@ -28,34 +29,16 @@ constexpr char kJob[] = "job-report-stream";
 
 std::unique_ptr<coordinator::CoordinatorServer> StartCoordinator(
     const std::string& listen, const std::string& state_dir = "") {
-  coordinator::JobConfig job;
-  job.job_id = kJob;
-  job.world_size = 1;
-  job.mesh = MeshShape{1, 1};
-  job.state_dir = state_dir;
-  coordinator::ServerOptions options;
-  options.listen = listen;
-  options.sync_state = false;
-  options.shutdown_deadline = absl::Seconds(1);
-  auto server = coordinator::CoordinatorServer::Start(job, options);
-  EXPECT_TRUE(server.ok()) << server.status();
-  return server.ok() ? *std::move(server) : nullptr;
+  return testing::StartOneRankCoordinator(kJob, listen, state_dir);
 }
 
 AgentOptions Options(const std::string& address) {
-  AgentOptions o;
-  o.coordinator = address;
-  o.job_id = kJob;
-  o.model = "gpt-test";
-  hsdp::v1::UnitInfo root;
-  root.set_name("root");
-  root.set_param_count(100);
-  root.set_param_bytes(400);
-  o.units = {root};
-  o.retry_budget = absl::Seconds(20);
-  o.initial_backoff = absl::Milliseconds(20);
-  o.max_backoff = absl::Milliseconds(200);
-  return o;
+  return testing::OneUnitAgentOptions(address, kJob);
+}
+
+bool Connected(grpc::Channel& channel) {
+  return channel.WaitForConnected(
+      absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
 }
 
 hsdp::v1::StepReport Report(int64_t step) {
@@ -76,8 +59,7 @@ TEST(AgentReportStreamTest, SentReportsAreRecordedByClose) {
   // Not connected yet: the report goes by call.
   EXPECT_TRUE(absl::IsUnavailable(
       ReportStream(channel).Send(hsdp::v1::ReportStepRequest())));
-  ASSERT_TRUE(channel->WaitForConnected(
-      absl::ToChronoTime(absl::Now() + absl::Seconds(10))));
+  ASSERT_TRUE(Connected(*channel));
   ReportStream stream(channel);
   for (int64_t step = 0; step < 5; ++step) {
     hsdp::v1::ReportStepRequest request;
@@ -103,8 +85,7 @@ TEST(AgentReportStreamTest,
   ASSERT_TRUE(agent.Join().ok());
   auto channel = grpc::CreateChannel(server->address(),
                                      grpc::InsecureChannelCredentials());
-  ASSERT_TRUE(channel->WaitForConnected(
-      absl::ToChronoTime(absl::Now() + absl::Seconds(10))));
+  ASSERT_TRUE(Connected(*channel));
   ReportStream stream(channel);
   hsdp::v1::ReportStepRequest request;
   request.set_job_id("another-job");
