@@ -12,6 +12,11 @@
 // Reports: "stream" (StreamReports: one message per step on a stream each
 // worker keeps open, as workers send them) or "unary" (one ReportStep call per
 // step and worker).
+// Votes (burst mode), after holding the step and before reporting it, as the
+// training loop commits each step: "stream" (a message on the report stream,
+// the commit pushed on the schedule stream, as workers vote), "unary" (one
+// long-polled CommitStep call per step and worker, answered when the last vote
+// came) or "none".
 //
 // Load: training ranks are synchronised by their collectives, so in burst mode
 // (the default) all N workers need step s at the same moment, then all report,
@@ -90,6 +95,8 @@ struct Options {
   int compute_ms = 0;
   std::string transport = "unary";
   std::string reports = "stream";
+  // Empty: as workers vote (stream where both streams are used, else unary).
+  std::string votes;
   int push_ahead = hsdp::coordinator::kDefaultPushAhead;
 };
 
@@ -231,9 +238,11 @@ void AtomicMax(std::atomic<int64_t>& a, int64_t v) {
 class ClientShard {
  public:
   ClientShard(const std::string& address, std::vector<int> ranks, int channels,
-              int shard_index, bool stream, bool stream_reports)
+              int shard_index, bool stream, bool stream_reports,
+              std::string votes)
       : stream_(stream),
         stream_reports_(stream_reports),
+        votes_(std::move(votes)),
         workers_(ranks.size()) {
     for (size_t i = 0; i < ranks.size(); ++i) workers_[i].rank = ranks[i];
     for (int c = 0; c < channels; ++c) {
@@ -270,6 +279,8 @@ class ClientShard {
                      s.error_message().c_str());
         return false;
       }
+      workers_[i].worker_id = response.worker_id();
+      workers_[i].generation = response.generation();
     }
     if (stream_reports_) {
       for (size_t i = 0; i < workers_.size(); ++i) {
@@ -324,6 +335,14 @@ class ClientShard {
       waits->push_back(std::chrono::duration<double>(w.held - w.need).count());
       AtomicMax(times->last_held, Nanos(w.held));
       w.received.erase(w.received.begin(), w.received.upper_bound(step));
+    }
+    if (votes_ != "none") {
+      // Each vote returns once every rank voted: the commit round.
+      pending_votes_ = workers_.size();
+      for (size_t i = 0; i < workers_.size(); ++i) StartVote(i, step);
+      while (pending_votes_ > 0) {
+        if (!Pump()) return false;
+      }
     }
     pending_reports_ = workers_.size();
     for (size_t i = 0; i < workers_.size(); ++i) StartReport(i, step);
@@ -396,11 +415,15 @@ class ClientShard {
     kFetched = 2,
     kReported = 3,
     kReportStreamStarted = 4,
+    kVoted = 5,
+    kVoteWritten = 6,
   };
   static constexpr int kTagBits = 3;
 
   struct Worker {
     int rank = 0;
+    int64_t worker_id = 0;
+    int64_t generation = 0;
     // Stream transport.
     std::unique_ptr<grpc::ClientContext> stream_context;
     std::unique_ptr<grpc::ClientAsyncReader<hsdp::v1::WatchSchedulesResponse>>
@@ -426,6 +449,18 @@ class ClientShard {
     std::unique_ptr<grpc::ClientAsyncWriter<hsdp::v1::StreamReportsRequest>>
         report_writer;
     hsdp::v1::StreamReportsResponse report_stream_response;
+    // Votes: a call, or a message on the report stream answered on the
+    // schedule stream (both the write and the commit complete the vote).
+    std::unique_ptr<grpc::ClientContext> vote_context;
+    std::unique_ptr<
+        grpc::ClientAsyncResponseReader<hsdp::v1::CommitStepResponse>>
+        vote;
+    hsdp::v1::CommitStepResponse voted;
+    grpc::Status vote_status;
+    int64_t voted_step = -1;
+    int64_t committed_step = -1;
+    bool vote_written = true;
+    bool vote_answered = true;
     // The step it waits for, since when, and when it held it.
     int64_t needed_step = -1;
     Clock::time_point need, held;
@@ -482,6 +517,33 @@ class ClientShard {
     w.report->Finish(&w.reported, &w.report_status, Tag(i, kReported));
   }
 
+  void StartVote(size_t i, int64_t step) {
+    Worker& w = workers_[i];
+    hsdp::v1::CommitStepRequest request;
+    request.set_job_id(kJob);
+    request.set_worker_id(w.worker_id);
+    request.set_generation(w.generation);
+    request.set_step(step);
+    w.voted_step = step;
+    if (votes_ == "stream") {
+      w.vote_written = false;
+      w.vote_answered = w.committed_step >= step;
+      hsdp::v1::StreamReportsRequest message;
+      *message.mutable_vote() = std::move(request);
+      w.report_writer->Write(message, Tag(i, kVoteWritten));
+      return;
+    }
+    w.vote_context = Context();
+    w.vote = Stub(i).AsyncCommitStep(w.vote_context.get(), request, &cq_);
+    w.vote->Finish(&w.voted, &w.vote_status, Tag(i, kVoted));
+  }
+
+  // A streamed vote is done once written (the stream takes one write at a
+  // time) and answered.
+  void VoteProgress(Worker& w) {
+    if (w.vote_written && w.vote_answered) --pending_votes_;
+  }
+
   // A paced worker holds its step: record, then report.
   void HeldPaced(size_t i) {
     Worker& w = workers_[i];
@@ -525,6 +587,16 @@ class ClientShard {
         return true;
       case kStreamRead: {
         if (!ok) return Fail("WatchSchedules ended");
+        if (w.incoming.has_committed()) {
+          w.committed_step =
+              std::max(w.committed_step, w.incoming.committed().step());
+          w.reader->Read(&w.incoming, Tag(i, kStreamRead));
+          if (!w.vote_answered && w.committed_step >= w.voted_step) {
+            w.vote_answered = true;
+            VoteProgress(w);
+          }
+          return true;
+        }
         const int64_t step = w.incoming.step();
         if (w.incoming.schedule().empty()) return Fail("empty schedule pushed");
         w.received[step] = now;
@@ -552,6 +624,18 @@ class ClientShard {
           --pending_held_;
         }
         return true;
+      case kVoted:
+        if (!ok || !w.vote_status.ok()) {
+          return Fail(
+              absl::StrCat("CommitStep: ", w.vote_status.error_message()));
+        }
+        --pending_votes_;
+        return true;
+      case kVoteWritten:
+        if (!ok) return Fail("StreamReports: the vote was not written");
+        w.vote_written = true;
+        VoteProgress(w);
+        return true;
       case kReported:
         if (!ok || !w.report_status.ok()) {
           return Fail(
@@ -576,12 +660,14 @@ class ClientShard {
 
   const bool stream_;
   const bool stream_reports_;
+  const std::string votes_;
   std::vector<Worker> workers_;
   std::vector<std::unique_ptr<CoordinatorService::Stub>> stubs_;
   grpc::CompletionQueue cq_;
   size_t pending_started_ = 0;
   size_t pending_held_ = 0;
   size_t pending_reports_ = 0;
+  size_t pending_votes_ = 0;
   std::vector<StepTimes>* paced_times_ = nullptr;
   std::vector<double>* paced_waits_ = nullptr;
   int64_t paced_first_ = 0;
@@ -629,7 +715,7 @@ bool RunOne(const Options& options, int n, Result* result) {
     for (int r = t; r < n; r += threads) ranks.push_back(r);
     shards.push_back(std::make_unique<ClientShard>(
         child.address(), std::move(ranks), options.channels_per_thread, t,
-        stream, options.reports == "stream"));
+        stream, options.reports == "stream", options.votes));
   }
   const int64_t total_steps = kWarmupSteps + options.steps;
   std::vector<StepTimes> times(static_cast<size_t>(total_steps));
@@ -737,19 +823,38 @@ int main(int argc, char** argv) {
                  "stream (StreamReports, as workers send them) or unary "
                  "(ReportStep per step)")
       ->check(CLI::IsMember({"unary", "stream"}));
+  app.add_option("--votes", options.votes,
+                 "Burst mode: stream (on the report stream, the commit on the "
+                 "schedule stream, as workers vote; needs --transport stream "
+                 "and --reports stream), unary (CommitStep per step) or none; "
+                 "default: stream where it can, else unary")
+      ->check(CLI::IsMember({"stream", "unary", "none"}));
   app.add_option("--push-ahead", options.push_ahead,
                  "Stream: steps pushed past the slowest rank's next step");
   app.add_option("--serve", serve, "(internal) run the coordinator child");
   CLI11_PARSE(app, argc, argv);
   if (serve > 0) return Serve(options, serve);
+  if (options.votes.empty()) {
+    options.votes = options.transport == "stream" && options.reports == "stream"
+                        ? "stream"
+                        : "unary";
+  }
+  if (options.paced_step_ms > 0) options.votes = "none";
+  if (options.votes == "stream" &&
+      (options.transport != "stream" || options.reports != "stream")) {
+    std::fprintf(stderr,
+                 "--votes stream needs --transport stream and --reports "
+                 "stream (the vote goes up one, the commit down the other)\n");
+    return 2;
+  }
   options.workers.clear();
   for (absl::string_view w : absl::StrSplit(workers, ',')) {
     options.workers.push_back(std::stoi(std::string(w)));
   }
 
   std::printf(
-      "coordinator_bench: %s, transport %s%s, reports %s, %d steps (+%d "
-      "warm-up), %d units, %d client threads x %d channels, %s; the "
+      "coordinator_bench: %s, transport %s%s, reports %s, votes %s, %d steps "
+      "(+%d warm-up), %d units, %d client threads x %d channels, %s; the "
       "coordinator in its own process\n",
       options.paced_step_ms > 0
           ? absl::StrCat("paced mode (step ", options.paced_step_ms, " ms)")
@@ -761,8 +866,9 @@ int main(int argc, char** argv) {
       options.transport == "stream"
           ? absl::StrCat(" (push ahead ", options.push_ahead, ")").c_str()
           : "",
-      options.reports.c_str(), options.steps, kWarmupSteps, options.layers + 1,
-      options.client_threads, options.channels_per_thread,
+      options.reports.c_str(), options.votes.c_str(), options.steps,
+      kWarmupSteps, options.layers + 1, options.client_threads,
+      options.channels_per_thread,
       options.state_dir.empty() ? "no persistence" : "persistence with fsync");
   std::printf("%7s %10s %10s %10s %10s %10s %12s %9s %12s %12s %8s %7s\n",
               "workers", "hold_p50", "hold_p99", "wait_p50", "wait_p99",

@@ -29,6 +29,7 @@ void RefreshMembershipMetrics(const CoordinatorCore& core) {
 void CoreEvents::OnGenerationEnded(int64_t generation,
                                    hsdp::v1::FailureCause cause) {
   core_.kv_store->EndGeneration(core_.membership->job_id(), generation);
+  core_.schedule_log->RecordGenerationEnded(generation);
   core_.metrics->RecordGenerationEnd(hsdp::v1::FailureCause_Name(cause));
   std::cerr << "hsdp-coordinator: generation " << generation << " ended ("
             << hsdp::v1::FailureCause_Name(cause) << ")\n";
@@ -80,6 +81,12 @@ void CoreEvents::OnShardGroupsAcrossHosts(
 void CoreEvents::OnStepCommitted(int64_t /*generation*/, int64_t step) {
   core_.schedule_log->RecordCommitted(step);
   core_.metrics->SetCommittedStep(step);
+}
+
+void CoreEvents::OnCommitAnswered(int64_t generation,
+                                  const CommitResult& answer) {
+  core_.schedule_log->RecordCommitAnswer(generation, answer.step,
+                                         answer.reform_after);
 }
 
 void CoreEvents::OnRecovered(const hsdp::v1::FailureRecord& failure) {

@@ -206,6 +206,14 @@ class Membership {
   absl::StatusOr<CommitResult> CommitStep(int64_t worker_id, int64_t generation,
                                           int64_t step, absl::Time deadline)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // CommitStep's vote without the wait: the answer when the step is committed
+  // (by this vote or before), nullopt while votes are missing (the commit is
+  // announced by MembershipListener::OnCommitAnswered), or CommitStep's error
+  // (DEADLINE_EXCEEDED aside).
+  absl::StatusOr<std::optional<CommitResult>> Vote(int64_t worker_id,
+                                                   int64_t generation,
+                                                   int64_t step)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   // Takes a worker out (by rank in the current generation, or by id); see the
   // class comment for when its generation ends. NOT_FOUND for an unknown
@@ -397,6 +405,15 @@ class Membership {
   void NoLiveCopyLocked(const GenerationPlan& plan)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status PersistCommitLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // One vote, counted once: the answer, nullopt while votes are missing, or
+  // the error CommitStep returns.
+  absl::StatusOr<std::optional<CommitResult>> VoteLocked(int64_t worker_id,
+                                                         int64_t generation,
+                                                         int64_t step)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The commit of `step` (the last vote came): persists it, then the step
+  // boundary's work (heals, recovery, grow, evict).
+  absl::Status CommitLocked(int64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The generation context a member's schedule reads use.
   GenerationContext ScheduleContextLocked() const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

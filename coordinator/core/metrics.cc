@@ -91,6 +91,14 @@ Metrics::Metrics()
                          .Register(*registry_)
                          .Add({});
   committed_step_->Set(-1);
+  auto& votes = prometheus::BuildCounter()
+                    .Name("hsdp_commit_votes_total")
+                    .Help(
+                        "Commit votes received, by how they came: on a "
+                        "report stream, or by a CommitStep call")
+                    .Register(*registry_);
+  votes_streamed_ = &votes.Add({{"via", "stream"}});
+  votes_by_call_ = &votes.Add({{"via", "call"}});
   generation_ends_family_ =
       &prometheus::BuildCounter()
            .Name("hsdp_generation_ends_total")
@@ -172,6 +180,10 @@ void Metrics::RecordGenerationEnd(const std::string& cause) {
   // Family::Add returns the existing counter for known labels; the family
   // itself is thread-safe.
   generation_ends_family_->Add({{"cause", cause}}).Increment();
+}
+
+void Metrics::RecordVote(bool streamed) {
+  (streamed ? votes_streamed_ : votes_by_call_)->Increment();
 }
 
 void Metrics::ObserveFailureCost(double detect_seconds, double reform_seconds,

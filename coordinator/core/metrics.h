@@ -43,6 +43,9 @@ class Metrics {
   // Replica groups of the current generation.
   void SetReplicas(int replicas);
   void SetCommittedStep(int64_t step);
+  // A commit vote arrived: on a report stream, or by a CommitStep call (each
+  // call counts, a long poll repeated after its deadline too).
+  void RecordVote(bool streamed);
   // A generation ended; `cause` is the FailureCause name (UNSPECIFIED: it
   // grew).
   void RecordGenerationEnd(const std::string& cause);
@@ -100,6 +103,8 @@ class Metrics {
   prometheus::Gauge* generation_;
   prometheus::Gauge* replicas_;
   prometheus::Gauge* committed_step_;
+  prometheus::Counter* votes_streamed_;
+  prometheus::Counter* votes_by_call_;
   prometheus::Family<prometheus::Counter>* generation_ends_family_;
   prometheus::Histogram* failure_detect_;
   prometheus::Histogram* failure_reform_;

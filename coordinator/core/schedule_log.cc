@@ -454,9 +454,34 @@ void ScheduleLog::Shutdown() {
   window_cv_.SignalAll();
 }
 
-int64_t ScheduleLog::AwaitFloorChange(int64_t seen_floor, absl::Time deadline) {
+void ScheduleLog::RecordCommitAnswer(int64_t generation, int64_t step,
+                                     bool reform_after) {
   absl::MutexLock lock(&mu_);
-  if (FloorLocked() == seen_floor && !shutdown_) {
+  news_.generation = generation;
+  news_.step = step;
+  news_.reform_after = reform_after;
+  ++news_.sequence;
+  window_cv_.SignalAll();
+}
+
+void ScheduleLog::RecordGenerationEnded(int64_t generation) {
+  absl::MutexLock lock(&mu_);
+  if (generation <= news_.ended_generation) return;
+  news_.ended_generation = generation;
+  ++news_.sequence;
+  window_cv_.SignalAll();
+}
+
+CommitNews ScheduleLog::commit_news() const {
+  absl::MutexLock lock(&mu_);
+  return news_;
+}
+
+int64_t ScheduleLog::AwaitFloorChange(int64_t seen_floor, int64_t seen_news,
+                                      absl::Time deadline) {
+  absl::MutexLock lock(&mu_);
+  if (FloorLocked() == seen_floor && news_.sequence == seen_news &&
+      !shutdown_) {
     // One wait: any signal (floor, seal, drain, shutdown, Wake) returns.
     window_cv_.WaitWithDeadline(&mu_, deadline);
   }

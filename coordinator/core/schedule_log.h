@@ -96,9 +96,25 @@ struct PolicyInfo {
   int64_t effective_step = 0;
 };
 
+// What a pusher of sealed steps (ScheduleFeed) announces besides schedules:
+// the latest commit, as every voter of its step is answered, and the newest
+// generation that ended.
+struct CommitNews {
+  // The generation and step of the latest commit (-1: none since the start).
+  int64_t generation = -1;
+  int64_t step = -1;
+  // Its generation ended at that step (CommitStepResponse.reform_after).
+  bool reform_after = false;
+  // The newest generation that ended, or -1.
+  int64_t ended_generation = -1;
+  // Changes with every record.
+  int64_t sequence = 0;
+};
+
 // Thread-safe. Planning, sealing and persisting happen under one mutex; reads
 // of already sealed steps take only a separate reader lock. Lock order:
-// callers may hold Membership's lock (BeginGeneration, RecordCommitted); the
+// callers may hold Membership's lock (BeginGeneration, RecordCommitted,
+// RecordCommitAnswer, RecordGenerationEnded); the
 // log never calls out except to the StateStore.
 class ScheduleLog {
  public:
@@ -168,6 +184,11 @@ class ScheduleLog {
   // `step` committed: the window's floor is at least `step`, and checkpoint
   // requests up to it are settled.
   void RecordCommitted(int64_t step);
+  // The answer of `step`'s voters in `generation` (after its step boundary),
+  // and a generation that ended: news for the pusher (commit_news()).
+  void RecordCommitAnswer(int64_t generation, int64_t step, bool reform_after);
+  void RecordGenerationEnded(int64_t generation);
+  CommitNews commit_news() const;
 
   // Control read: the step's current record (generation unset) or the one
   // sealed in `generation`, never seals. NOT_FOUND if there is none.
@@ -214,9 +235,10 @@ class ScheduleLog {
 
   // For a pusher of sealed steps (ScheduleFeed): blocks until the floor (see
   // min_completed_step; restored lower bound included) differs from
-  // `seen_floor`, the log drains or shuts down, Wake() is called, or
-  // `deadline`; returns the floor then.
-  int64_t AwaitFloorChange(int64_t seen_floor, absl::Time deadline);
+  // `seen_floor`, the commit news' sequence from `seen_news`, the log drains
+  // or shuts down, Wake() is called, or `deadline`; returns the floor then.
+  int64_t AwaitFloorChange(int64_t seen_floor, int64_t seen_news,
+                           absl::Time deadline);
   // Wakes AwaitFloorChange (and lets blocked reads re-check).
   void Wake();
   bool is_shut_down() const;
@@ -298,6 +320,7 @@ class ScheduleLog {
   // How many of generation_starts_ the store holds.
   size_t persisted_starts_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t committed_floor_ ABSL_GUARDED_BY(mu_) = -1;
+  CommitNews news_ ABSL_GUARDED_BY(mu_);
   // Highest completed step per rank, with its minimum and how many ranks sit at
   // it, kept incrementally so a report costs O(1) amortized even with 1000+
   // ranks.

@@ -190,6 +190,7 @@ grpc::Status CoordinatorServiceImpl::CommitStep(
     hsdp::v1::CommitStepResponse* response) {
   return Serve(*context, [&]() -> absl::Status {
     HSDP_RETURN_IF_ERROR(core_.membership->CheckJobId(request->job_id()));
+    core_.metrics->RecordVote(/*streamed=*/false);
     HSDP_ASSIGN_OR_RETURN(
         CommitResult result,
         core_.membership->CommitStep(
@@ -317,10 +318,34 @@ CoordinatorServiceImpl::StreamReports(
     grpc::CallbackServerContext* context,
     hsdp::v1::StreamReportsResponse* /*response*/) {
   return ReadReports(context, job_auth_.Check(*context),
-                     [this](const hsdp::v1::ReportStepRequest& request) {
+                     [this](const hsdp::v1::StreamReportsRequest& message) {
                        CallTracker::Scope in_flight(service_.calls);
-                       return RecordReport(request);
+                       if (message.has_report()) {
+                         HSDP_RETURN_IF_ERROR(RecordReport(message.report()));
+                       }
+                       if (message.has_vote())
+                         return RecordVote(message.vote());
+                       return absl::OkStatus();
                      });
+}
+
+absl::Status CoordinatorServiceImpl::RecordVote(
+    const hsdp::v1::CommitStepRequest& vote) {
+  absl::Status counted = core_.membership->CheckJobId(vote.job_id());
+  if (counted.ok()) {
+    core_.metrics->RecordVote(/*streamed=*/true);
+    // The answer, now or once the last vote comes, is the feed's to send.
+    counted =
+        core_.membership->Vote(vote.worker_id(), vote.generation(), vote.step())
+            .status();
+  }
+  if (!counted.ok() && service_.schedule_feed != nullptr) {
+    // The voter waits for the commit on its schedule stream: end it, so the
+    // voter asks CommitStep, which answers with this error.
+    service_.schedule_feed->EndStreamOf(vote.worker_id(), vote.generation(),
+                                        ToGrpcStatus(counted));
+  }
+  return counted;
 }
 
 grpc::Status CoordinatorServiceImpl::ReportStep(

@@ -69,8 +69,9 @@ class CoordinatorServiceImpl final : public CoordinatorServiceBase {
   grpc::Status Heartbeat(grpc::ServerContext* context,
                          const hsdp::v1::HeartbeatRequest* request,
                          hsdp::v1::HeartbeatResponse* response) override;
-  // One reader per stream (report_stream.h); each message is recorded as
-  // ReportStep records it.
+  // One reader per stream (report_stream.h); each report is recorded as
+  // ReportStep records it, each vote counted as CommitStep counts it (the
+  // commit goes out on the schedule feed).
   using CoordinatorServiceBase::StreamReports;
   grpc::ServerReadReactor<hsdp::v1::StreamReportsRequest>* StreamReports(
       grpc::CallbackServerContext* context,
@@ -136,6 +137,9 @@ class CoordinatorServiceImpl final : public CoordinatorServiceBase {
   absl::Status RecordHeartbeat(const hsdp::v1::HeartbeatRequest& request,
                                hsdp::v1::HeartbeatResponse* response);
   absl::Status RecordReport(const hsdp::v1::ReportStepRequest& request);
+  // A vote on the report stream (Membership::Vote); a refused one also ends
+  // the voter's schedule stream.
+  absl::Status RecordVote(const hsdp::v1::CommitStepRequest& vote);
   // Runs `body` (returning absl::Status) as Serve does and finishes the
   // callback call with its result.
   template <typename Body>

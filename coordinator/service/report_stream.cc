@@ -14,7 +14,7 @@ class ReportReader final
  public:
   ReportReader(grpc::CallbackServerContext* context, RecordReportFn record)
       : record_(std::move(record)) {
-    context->AddInitialMetadata(kReportStreamMetadataKey, "1");
+    context->AddInitialMetadata(kReportStreamMetadataKey, kReportStreamVersion);
     StartSendInitialMetadata();
     StartRead(&request_);
   }
@@ -24,7 +24,7 @@ class ReportReader final
       Finish(grpc::Status::OK);
       return;
     }
-    const absl::Status recorded = record_(request_.report());
+    const absl::Status recorded = record_(request_);
     if (!recorded.ok()) {
       Finish(ToGrpcStatus(recorded));
       return;

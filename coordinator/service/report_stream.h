@@ -8,11 +8,12 @@
 //
 // The reader sends its initial metadata (with kReportStreamMetadataKey) at
 // once: a worker that sees it knows the stream is served, while an older
-// coordinator answers UNIMPLEMENTED without it. Reports are recorded in the
-// order read, on gRPC's callback thread, one at a time; the first error ends
-// the stream with that status. The worker closing its side ends it OK, after
-// every report it sent was recorded. A server shutdown cancels open streams
-// (they are calls in flight only while a report is being recorded).
+// coordinator answers UNIMPLEMENTED without it. Messages (a report, a commit
+// vote, or both) are recorded in the order read, on gRPC's callback thread,
+// one at a time; the first error ends the stream with that status. The worker
+// closing its side ends it OK, after every report it sent was recorded. A
+// server shutdown cancels open streams (they are calls in flight only while a
+// report is being recorded).
 //
 // Thread-safety: gRPC serialises a reactor's callbacks; `record` must be
 // thread-safe (several streams record at once).
@@ -32,13 +33,15 @@ class ServerReadReactor;
 
 namespace hsdp::coordinator {
 
-// Initial-metadata key (and value "1") with which the coordinator says it
-// serves StreamReports.
+// Initial-metadata key with which the coordinator says it serves
+// StreamReports, and its value: "1" reports only, "2" (this coordinator) also
+// votes.
 inline constexpr char kReportStreamMetadataKey[] = "hsdp-report-stream";
+inline constexpr char kReportStreamVersion[] = "2";
 
-// Records one report; called once per message.
+// Records one message (its report, then its vote); called once per message.
 using RecordReportFn =
-    std::function<absl::Status(const hsdp::v1::ReportStepRequest& request)>;
+    std::function<absl::Status(const hsdp::v1::StreamReportsRequest& message)>;
 
 // A reader for the stream of `context`, that first checks `admitted` (e.g.
 // the job token: a refused stream ends with it before reading anything).

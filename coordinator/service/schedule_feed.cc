@@ -22,6 +22,31 @@ namespace {
 // The step a drained stream waits for: none.
 constexpr int64_t kNoStep = std::numeric_limits<int64_t>::max();
 
+// `response` serialized once, for every stream to write; null if it cannot be.
+std::shared_ptr<const grpc::ByteBuffer> Serialize(
+    const WatchSchedulesResponse& response) {
+  auto message = std::make_shared<grpc::ByteBuffer>();
+  bool own_buffer = false;
+  if (!grpc::SerializationTraits<WatchSchedulesResponse>::Serialize(
+           response, message.get(), &own_buffer)
+           .ok()) {
+    return nullptr;
+  }
+  return message;
+}
+
+// The message that announces the commit in `news`.
+std::shared_ptr<const grpc::ByteBuffer> CommitMessage(const CommitNews& news) {
+  WatchSchedulesResponse response;
+  response.mutable_committed()->set_step(news.step);
+  response.mutable_committed()->set_reform_after(news.reform_after);
+  return Serialize(response);
+}
+
+std::string EndedWhy(int64_t generation) {
+  return absl::StrCat("generation ", generation, " ended: re-form");
+}
+
 }  // namespace
 
 // One worker's stream. Writes go out one at a time from a queue; Finish comes
@@ -64,18 +89,20 @@ class ScheduleWatch final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     Advance();
   }
 
-  // Ends the stream with `status` after the write in flight (queued ones are
-  // dropped).
-  void End(grpc::Status status) {
+  // Ends the stream with `status` after the write in flight, and after the
+  // queued ones unless `drop_queued`.
+  void End(grpc::Status status, bool drop_queued = true) {
     {
       absl::MutexLock lock(&mu_);
       if (finishing_) return;
       finishing_ = true;
       status_ = std::move(status);
-      queue_.clear();
+      if (drop_queued) queue_.clear();
     }
     Advance();
   }
+
+  int64_t worker_id() const { return worker_id_; }
 
   void OnWriteDone(bool ok) override {
     {
@@ -179,8 +206,13 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* ScheduleFeed::Subscribe(
   }
   auto* watch = new ScheduleWatch(this, request.worker_id(),
                                   request.from_step(), generation);
+  // The generation's latest commit first: the worker may wait for it.
+  const CommitNews news = log_->commit_news();
+  if (news.generation == generation.generation) {
+    if (auto message = CommitMessage(news)) watch->Push(message, false);
+  }
   bool registered = false;
-  bool ended = false;
+  bool ended = news.ended_generation >= generation.generation;
   {
     absl::MutexLock lock(&mu_);
     if (!stopped_) {
@@ -190,7 +222,7 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* ScheduleFeed::Subscribe(
       ++streams_;
       registered = true;
       // Its generation ended between the member check and now.
-      ended = streams.ended;
+      ended = ended || streams.ended;
     }
   }
   if (!registered) {
@@ -200,9 +232,9 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* ScheduleFeed::Subscribe(
     return watch;
   }
   if (ended) {
-    watch->End(grpc::Status(
-        grpc::StatusCode::ABORTED,
-        absl::StrCat("generation ", generation.generation, " ended")));
+    watch->End(grpc::Status(grpc::StatusCode::ABORTED,
+                            EndedWhy(generation.generation)),
+               /*drop_queued=*/false);
   }
   log_->Wake();  // the pusher serves the new stream now
   // Valid for gRPC: its reference lasts until OnDone.
@@ -272,13 +304,19 @@ void ScheduleFeed::Shutdown() {
 
 void ScheduleFeed::Run() {
   int64_t floor = std::numeric_limits<int64_t>::min();
+  int64_t news_seen = 0;
   while (true) {
     {
       absl::MutexLock lock(&mu_);
       if (stopped_) return;
     }
-    floor = log_->AwaitFloorChange(floor, absl::Now() + options_.poll_interval);
+    floor = log_->AwaitFloorChange(floor, news_seen,
+                                   absl::Now() + options_.poll_interval);
     if (log_->is_shut_down()) return;
+    // Every wake: a stream opened since may still lack the latest commit.
+    const CommitNews news = log_->commit_news();
+    news_seen = news.sequence;
+    PushNews(news);
     PushAvailable(floor);
   }
 }
@@ -299,6 +337,56 @@ void ScheduleFeed::PushAvailable(int64_t floor) {
   for (const int64_t number : numbers) PushGeneration(number, limit);
 }
 
+void ScheduleFeed::PushNews(const CommitNews& news) {
+  std::vector<ScheduleWatch*> targets;
+  std::vector<int64_t> ended;
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopped_) return;
+    auto g = generations_.find(news.generation);
+    if (g != generations_.end() && !g->second.ended &&
+        news.step > g->second.commit_pushed) {
+      g->second.commit_pushed = news.step;
+      targets = RefAll(g->second);
+    }
+    for (const auto& [number, streams] : generations_) {
+      if (number <= news.ended_generation && !streams.ended) {
+        ended.push_back(number);
+      }
+    }
+  }
+  if (!targets.empty()) {
+    std::shared_ptr<const grpc::ByteBuffer> message = CommitMessage(news);
+    for (ScheduleWatch* w : targets) {
+      if (message != nullptr) w->Push(message, /*last=*/false);
+      w->Unref();
+    }
+  }
+  // After the commit: the streams end behind it.
+  for (const int64_t number : ended) EndGeneration(number, EndedWhy(number));
+}
+
+void ScheduleFeed::EndStreamOf(int64_t worker_id, int64_t generation,
+                               const grpc::Status& status) {
+  std::vector<ScheduleWatch*> targets;
+  {
+    absl::MutexLock lock(&mu_);
+    auto g = generations_.find(generation);
+    if (g == generations_.end()) return;
+    for (ScheduleWatch* w : RefAll(g->second)) {
+      if (w->worker_id() == worker_id) {
+        targets.push_back(w);
+      } else {
+        w->Unref();
+      }
+    }
+  }
+  for (ScheduleWatch* w : targets) {
+    w->End(status, /*drop_queued=*/false);
+    w->Unref();
+  }
+}
+
 void ScheduleFeed::EndGeneration(int64_t number, const std::string& why) {
   std::vector<ScheduleWatch*> ended;
   {
@@ -309,7 +397,8 @@ void ScheduleFeed::EndGeneration(int64_t number, const std::string& why) {
     ended = RefAll(g->second);
   }
   for (ScheduleWatch* w : ended) {
-    w->End(grpc::Status(grpc::StatusCode::ABORTED, why));
+    w->End(grpc::Status(grpc::StatusCode::ABORTED, why),
+           /*drop_queued=*/false);
     w->Unref();
   }
 }
@@ -365,11 +454,8 @@ void ScheduleFeed::PushGeneration(int64_t number, int64_t limit) {
     } else {
       response.set_schedule(read->sealed->bytes);
     }
-    auto message = std::make_shared<grpc::ByteBuffer>();
-    bool own_buffer = false;
-    if (!grpc::SerializationTraits<WatchSchedulesResponse>::Serialize(
-             response, message.get(), &own_buffer)
-             .ok()) {
+    std::shared_ptr<const grpc::ByteBuffer> message = Serialize(response);
+    if (message == nullptr) {
       std::cerr << "hsdp-coordinator: pushing step " << step
                 << ": cannot serialize it\n";
       return;

@@ -20,6 +20,14 @@
 // the sealed steps it missed. A stream belongs to the generation its worker
 // trains in: it carries that generation's schedules, and ends ABORTED once the
 // generation ended (the worker re-forms, then opens a stream for the next).
+// Commits go out the same way: each commit of a generation (CommitNews from
+// the log, recorded once its step boundary's work is done) is one message,
+// serialized once, written to every stream of that generation; a stream
+// opened later first gets the generation's latest commit. Once the log says a
+// generation ended, its streams end ABORTED after what is queued on them (a
+// commit that ended the generation reaches every voter first). So a worker
+// that voted on its report stream waits for the answer here, and learns at
+// once when there will be none.
 // After the drain step a stream gets one message with drained set and ends OK;
 // Shutdown() ends every stream with UNAVAILABLE. A stream the worker's side
 // ends first (its process died, so its connection closed; or it cancelled)
@@ -92,6 +100,12 @@ class ScheduleFeed {
   // report their end to it).
   void Shutdown();
 
+  // Ends the stream(s) of `worker_id` in `generation` with `status` (after
+  // what is queued on them): a vote of that worker was refused, and it waits
+  // on its stream for the commit.
+  void EndStreamOf(int64_t worker_id, int64_t generation,
+                   const grpc::Status& status);
+
   // Streams open now.
   int subscribers() const;
 
@@ -105,9 +119,14 @@ class ScheduleFeed {
     std::map<int64_t, std::vector<ScheduleWatch*>> waiting;
     // Its streams were ended ABORTED (the generation is over).
     bool ended = false;
+    // The latest commit written to its streams, or -1.
+    int64_t commit_pushed = -1;
   };
 
   void Run();
+  // Writes the news' commit to its generation's streams (unless written), and
+  // ends the streams of generations that ended.
+  void PushNews(const CommitNews& news);
   // Pushes every step up to the floor's limit that some stream waits for.
   void PushAvailable(int64_t floor);
   // The same for the streams of generation `number`; ends them ABORTED when

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <future>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -443,6 +444,48 @@ TEST_F(ElasticTest, CommitAbortRaces) {
   // Step 0 committed in generation 1, never in generation 0.
   EXPECT_EQ(m->CommitStep(ids[0], 0, 0, absl::Now()).status().code(),
             absl::StatusCode::kAborted);
+}
+
+// A vote that does not wait (one arriving on a report stream) is counted once
+// and answered as CommitStep answers it; the listener hears each commit's
+// answer after its step boundary, so a commit that ends the generation says
+// reform_after.
+TEST_F(ElasticTest, AVoteWithoutWaitingCountsOnceAndItsCommitIsAnnounced) {
+  auto m = Make({2, 1});
+  const std::vector<int64_t> ids = JoinAll(*m);
+  for (int repeat = 0; repeat < 2; ++repeat) {
+    absl::StatusOr<std::optional<CommitResult>> pending = m->Vote(ids[0], 0, 0);
+    ASSERT_TRUE(pending.ok()) << pending.status();
+    EXPECT_FALSE(pending->has_value());
+  }
+  EXPECT_EQ(m->last_committed_step(), -1);
+  EXPECT_TRUE(listener_.answers.empty());
+  EXPECT_EQ(m->Vote(ids[0], 0, 3).status().code(),
+            absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(m->Vote(ids[0], 5, 0).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  absl::StatusOr<std::optional<CommitResult>> last = m->Vote(ids[1], 0, 0);
+  ASSERT_TRUE(last.ok()) << last.status();
+  ASSERT_TRUE(last->has_value());
+  EXPECT_EQ((*last)->step, 0);
+  EXPECT_FALSE((*last)->reform_after);
+  EXPECT_EQ(m->last_committed_step(), 0);
+  EXPECT_EQ(listener_.answers, std::vector<std::string>{"0:0"});
+  // The long poll answers a vote of the committed step at once, the same.
+  absl::StatusOr<CommitResult> again = m->CommitStep(ids[0], 0, 0, absl::Now());
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->step, 0);
+  EXPECT_FALSE(again->reform_after);
+
+  // An eviction waits for the next commit: its answer ends the generation.
+  ASSERT_TRUE(m->Evict(1, std::nullopt).ok());
+  ASSERT_TRUE(m->Vote(ids[0], 0, 1).ok());
+  last = m->Vote(ids[1], 0, 1);
+  ASSERT_TRUE(last.ok()) << last.status();
+  ASSERT_TRUE(last->has_value());
+  EXPECT_TRUE((*last)->reform_after);
+  EXPECT_EQ(listener_.answers, (std::vector<std::string>{"0:0", "0:1 reform"}));
+  EXPECT_EQ(m->Vote(ids[0], 0, 2).status().code(), absl::StatusCode::kAborted);
 }
 
 // 3x2 loses a worker (2x2 + a standby), trains on; a joiner makes a third

@@ -49,6 +49,11 @@ class RecordingListener final : public MembershipListener {
   void OnStepCommitted(int64_t generation, int64_t step) override {
     events.push_back(absl::StrCat("committed ", generation, ":", step));
   }
+  void OnCommitAnswered(int64_t generation,
+                        const CommitResult& answer) override {
+    answers.push_back(absl::StrCat(generation, ":", answer.step,
+                                   answer.reform_after ? " reform" : ""));
+  }
   void OnRecovered(const hsdp::v1::FailureRecord& failure) override {
     recovered.push_back(failure);
   }
@@ -59,6 +64,9 @@ class RecordingListener final : public MembershipListener {
   // returned.
   std::vector<std::string> events;
   std::vector<hsdp::v1::FailureRecord> recovered;
+  // The commit answers heard: "generation:step", " reform" when it ended
+  // there.
+  std::vector<std::string> answers;
   // What OnShardGroupsAcrossHosts heard: the host group sizes, and one line
   // per shard group.
   std::vector<int> host_group_sizes;

@@ -116,7 +116,8 @@ TEST_F(ReportStreamTest, RecordsEveryReportInOrderAndMovesTheWindow) {
     const auto& metadata = contexts[r]->GetServerInitialMetadata();
     auto marker = metadata.find(kReportStreamMetadataKey);
     ASSERT_NE(marker, metadata.end());
-    EXPECT_EQ(std::string(marker->second.data(), marker->second.size()), "1");
+    EXPECT_EQ(std::string(marker->second.data(), marker->second.size()),
+              kReportStreamVersion);
   }
   constexpr int64_t kSteps = 6;
   for (int64_t step = 0; step < kSteps; ++step) {

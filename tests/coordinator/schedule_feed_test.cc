@@ -3,15 +3,18 @@
 // order, when the slowest rank allows, persisted; it catches up streams opened
 // late, ends with drained, refuses strangers, ends a generation's streams
 // ABORTED when it ends (the next generation's streams get its steps, sealed
-// again), and ends every stream when the coordinator stops.
+// again), carries the commits of votes sent on the report stream, and ends
+// every stream when the coordinator stops.
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "absl/time/clock.h"
 #include "coordinator/core/state_store.h"
 #include "coordinator/server.h"
 #include "hsdp/v1/control_service.grpc.pb.h"
@@ -220,6 +223,85 @@ TEST_F(FeedTest, AnEndedGenerationsStreamsEndAbortedAndTheNextOnesGetItsSteps) {
   ASSERT_TRUE(parsed.ParseFromString(message.schedule()));
   EXPECT_EQ(parsed.generation(), 1);
   EXPECT_EQ(parsed.world_size(), 1);
+}
+
+// Votes sent on the report stream are answered on the schedule streams: each
+// commit goes to every stream of its generation, a stream opened later first
+// gets the latest one, a refused vote ends its voter's stream with the vote's
+// error, and the generation's end ends the others ABORTED.
+TEST_F(FeedTest, StreamedVotesAreAnsweredOnEveryStreamOfTheGeneration) {
+  Start(/*push_ahead=*/1, "", MeshShape{kWorld, 1});
+  using Writer = grpc::ClientWriter<hsdp::v1::StreamReportsRequest>;
+  std::vector<std::unique_ptr<grpc::ClientContext>> report_contexts;
+  std::vector<hsdp::v1::StreamReportsResponse> closed(kWorld);
+  std::vector<std::unique_ptr<Writer>> votes;
+  for (int r = 0; r < kWorld; ++r) {
+    report_contexts.push_back(Ctx());
+    votes.push_back(
+        stub_->StreamReports(report_contexts.back().get(), &closed[r]));
+  }
+  auto vote = [&](int rank, int64_t step) {
+    hsdp::v1::StreamReportsRequest message;
+    message.mutable_vote()->set_job_id(kJob);
+    message.mutable_vote()->set_worker_id(joined_[rank].worker_id());
+    message.mutable_vote()->set_generation(0);
+    message.mutable_vote()->set_step(step);
+    return votes[rank]->Write(message);
+  };
+  // The next commit a stream carries (schedules are skipped).
+  auto next_commit =
+      [](Stream* s) -> std::optional<hsdp::v1::CommitStepResponse> {
+    hsdp::v1::WatchSchedulesResponse message;
+    while (s->Read(&message)) {
+      if (message.has_committed()) return message.committed();
+    }
+    return std::nullopt;
+  };
+  auto c0 = Ctx(), c1 = Ctx();
+  std::unique_ptr<Stream> s0 = WatchAs(0, 0, 0, c0.get());
+  std::unique_ptr<Stream> s1 = WatchAs(1, 0, 0, c1.get());
+  for (int64_t step = 0; step < 3; ++step) {
+    ASSERT_TRUE(vote(0, step));
+    ASSERT_TRUE(vote(1, step));
+    for (Stream* s : {s0.get(), s1.get()}) {
+      std::optional<hsdp::v1::CommitStepResponse> commit = next_commit(s);
+      ASSERT_TRUE(commit.has_value()) << "step " << step;
+      EXPECT_EQ(commit->step(), step);
+      EXPECT_FALSE(commit->reform_after());
+    }
+  }
+  // Opened after the commits: the latest first.
+  auto late_context = Ctx();
+  std::unique_ptr<Stream> late = WatchAs(1, 0, 3, late_context.get());
+  std::optional<hsdp::v1::CommitStepResponse> latest = next_commit(late.get());
+  ASSERT_TRUE(latest.has_value());
+  EXPECT_EQ(latest->step(), 2);
+  // Step 5 is not the next to commit: rank 0's vote is refused, and its
+  // schedule stream ends with the same error its report stream ends with.
+  ASSERT_TRUE(vote(0, 5));
+  EXPECT_FALSE(next_commit(s0.get()).has_value());
+  const grpc::Status refused = s0->Finish();
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::OUT_OF_RANGE);
+  EXPECT_NE(refused.error_message().find("not the next step"),
+            std::string::npos)
+      << refused.error_message();
+  while (vote(0, 5)) absl::SleepFor(absl::Milliseconds(1));
+  EXPECT_EQ(votes[0]->Finish().error_code(), grpc::StatusCode::OUT_OF_RANGE);
+  // Rank 1's streams carry on until the generation ends.
+  hsdp::v1::ReportFailureRequest failure;
+  failure.set_job_id(kJob);
+  failure.set_worker_id(joined_[0].worker_id());
+  failure.set_generation(0);
+  failure.set_step(3);
+  failure.set_detail("AllReduce: lost peer rank 1");
+  hsdp::v1::ReportFailureResponse failed;
+  ASSERT_TRUE(stub_->ReportFailure(Ctx().get(), failure, &failed).ok());
+  for (Stream* s : {s1.get(), late.get()}) {
+    EXPECT_FALSE(next_commit(s).has_value());
+    EXPECT_EQ(s->Finish().error_code(), grpc::StatusCode::ABORTED);
+  }
+  votes[1]->WritesDone();
+  EXPECT_TRUE(votes[1]->Finish().ok());
 }
 
 TEST_F(FeedTest, StrangersAreRefusedAndStopEndsEveryStream) {

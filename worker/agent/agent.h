@@ -184,7 +184,10 @@ class Agent {
   // and collectives and before its optimizer step. Blocks until every member
   // voted: OK means apply the step (reform_after: then AwaitGeneration
   // instead of the next step); ABORTED means the generation ended first:
-  // discard the step's gradients, it is trained again.
+  // discard the step's gradients, it is trained again. The vote goes as a
+  // message on the report stream and the commit comes on the schedule stream
+  // while both serve it; otherwise (or when no commit comes) by the
+  // CommitStep call, which answers a repeated vote the same.
   absl::StatusOr<hsdp::v1::CommitStepResponse> CommitStep(int64_t step);
 
   // Starts a thread that long-polls the coordinator while this worker is a
@@ -226,6 +229,10 @@ class Agent {
   absl::Status BlockingStoreCall(const std::string& what,
                                  absl::Duration timeout, Request& req, Rpc rpc);
   absl::StatusOr<hsdp::v1::GetScheduleResponse> FetchSchedule(int64_t step);
+  // `vote` (job and step set) on the streams: the commit, or nullopt when the
+  // streams cannot carry it (then CommitStep's call does).
+  std::optional<hsdp::v1::CommitStepResponse> CommitOnStreams(
+      hsdp::v1::CommitStepRequest vote);
   hsdp::v1::JoinRequest MakeJoinRequest(std::optional<int> rank_hint) const;
   // Re-joins after a coordinator restart forgot this worker; same rank and
   // generation required. `seen_epoch` is join_epoch_ when the failing call

@@ -1,5 +1,6 @@
 // Agent: the elastic protocol — AwaitGeneration, ReportFailure, CommitStep and
 // the generation watcher (worker/agent/ELASTIC.md).
+#include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -122,6 +123,10 @@ absl::StatusOr<hsdp::v1::CommitStepResponse> Agent::CommitStep(int64_t step) {
   req.set_job_id(options_.job_id);
   req.set_step(step);
   hsdp::v1::CommitStepResponse resp;
+  if (std::optional<hsdp::v1::CommitStepResponse> streamed =
+          CommitOnStreams(req)) {
+    return *std::move(streamed);
+  }
   const std::string what = absl::StrCat("CommitStep(step ", step, ")");
   for (int rejoins = 0;; ++rejoins) {
     const int64_t epoch = join_epoch();
@@ -145,6 +150,25 @@ absl::StatusOr<hsdp::v1::CommitStepResponse> Agent::CommitStep(int64_t step) {
     }
     if (absl::Status r = Rejoin(epoch); !r.ok()) return r;
   }
+}
+
+std::optional<hsdp::v1::CommitStepResponse> Agent::CommitOnStreams(
+    hsdp::v1::CommitStepRequest vote) {
+  {
+    absl::MutexLock lock(&mu_);
+    vote.set_worker_id(join_.worker_id());
+    vote.set_generation(join_.generation());
+  }
+  // The vote goes up the report stream and the commit comes down the schedule
+  // stream of the vote's generation (opened by this step's GetSchedule).
+  if (report_stream_ == nullptr || schedule_stream_ == nullptr ||
+      schedule_stream_->generation() != vote.generation()) {
+    return std::nullopt;
+  }
+  if (!report_stream_->SendVote(vote).ok()) return std::nullopt;
+  // A refused vote, a generation that ended or a stream that broke ends the
+  // wait at once; CommitStep (idempotent) then gives the answer.
+  return schedule_stream_->AwaitCommit(vote.step(), options_.long_poll_timeout);
 }
 
 void Agent::StartGenerationWatch(GenerationEndFn on_end) {

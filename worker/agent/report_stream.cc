@@ -11,6 +11,8 @@ namespace {
 // The coordinator's initial-metadata key saying it serves StreamReports
 // (coordinator/service/report_stream.h; the agent links no coordinator code).
 constexpr char kServedKey[] = "hsdp-report-stream";
+// Its value from a coordinator that also counts votes on the stream.
+constexpr char kVotesVersion[] = "2";
 
 absl::Status ToAbsl(const grpc::Status& status) {
   if (status.ok()) return absl::OkStatus();
@@ -42,7 +44,10 @@ absl::Status ReportStream::OpenLocked() {
   writer_ = stub_->StreamReports(context_.get(), &response_);
   writer_->WaitForInitialMetadata();
   const auto& metadata = context_->GetServerInitialMetadata();
-  if (metadata.find(kServedKey) != metadata.end()) return absl::OkStatus();
+  if (auto served = metadata.find(kServedKey); served != metadata.end()) {
+    votes_ = served->second >= kVotesVersion;
+    return absl::OkStatus();
+  }
   // No marker: the call already ended (refused, unimplemented, unreachable).
   absl::Status why = FinishLocked(/*writes_done=*/false);
   if (why.ok()) why = absl::UnavailableError("StreamReports ended at once");
@@ -60,15 +65,36 @@ absl::Status ReportStream::FinishLocked(bool writes_done) {
 }
 
 absl::Status ReportStream::Send(const hsdp::v1::ReportStepRequest& request) {
+  hsdp::v1::StreamReportsRequest message;
+  *message.mutable_report() = request;
   absl::MutexLock lock(&mu_);
+  return WriteLocked(message);
+}
+
+absl::Status ReportStream::SendVote(const hsdp::v1::CommitStepRequest& vote) {
+  hsdp::v1::StreamReportsRequest message;
+  *message.mutable_vote() = vote;
+  absl::MutexLock lock(&mu_);
+  // Opens the stream first: the coordinator's marker says whether it counts
+  // votes.
+  if (writer_ == nullptr && !unsupported_) {
+    if (absl::Status opened = OpenLocked(); !opened.ok()) return opened;
+  }
+  if (writer_ != nullptr && !votes_) {
+    return absl::UnimplementedError(
+        "the coordinator counts no votes on StreamReports");
+  }
+  return WriteLocked(message);
+}
+
+absl::Status ReportStream::WriteLocked(
+    const hsdp::v1::StreamReportsRequest& message) {
   if (unsupported_) {
     return absl::UnimplementedError("the coordinator has no StreamReports");
   }
   if (writer_ == nullptr) {
     if (absl::Status opened = OpenLocked(); !opened.ok()) return opened;
   }
-  hsdp::v1::StreamReportsRequest message;
-  *message.mutable_report() = request;
   if (writer_->Write(message)) return absl::OkStatus();
   // The stream ended (its status says why); this report was not sent.
   absl::Status why = FinishLocked(/*writes_done=*/false);

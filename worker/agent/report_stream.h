@@ -46,6 +46,11 @@ class ReportStream {
   // once). The next Send opens a new stream.
   absl::Status Send(const hsdp::v1::ReportStepRequest& request);
 
+  // Hands a commit vote to the stream, as Send hands a report (the commit
+  // comes on the schedule stream). UNIMPLEMENTED, and not sent, when the
+  // coordinator counts no votes on the stream (an older one).
+  absl::Status SendVote(const hsdp::v1::CommitStepRequest& vote);
+
   // Ends the open stream once the coordinator recorded every report sent on
   // it: OK, or the error that ended it first. OK when none is open.
   absl::Status Close();
@@ -56,6 +61,9 @@ class ReportStream {
  private:
   // Opens a stream and waits for the coordinator's initial metadata.
   absl::Status OpenLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Opens a stream if none is open, then writes `message`.
+  absl::Status WriteLocked(const hsdp::v1::StreamReportsRequest& message)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Half-closes (when `writes_done`) and finishes the open stream.
   absl::Status FinishLocked(bool writes_done)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -68,6 +76,8 @@ class ReportStream {
   std::unique_ptr<grpc::ClientWriter<hsdp::v1::StreamReportsRequest>> writer_
       ABSL_GUARDED_BY(mu_);
   bool unsupported_ ABSL_GUARDED_BY(mu_) = false;
+  // The open stream's coordinator counts votes on it.
+  bool votes_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 }  // namespace hsdp::agent

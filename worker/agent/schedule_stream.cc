@@ -18,6 +18,7 @@ ScheduleStream::ScheduleStream(hsdp::v1::CoordinatorService::Stub* stub,
       generation_(generation),
       options_(options),
       next_step_(from_step) {
+  committed_.set_step(-1);
   reader_ = std::thread([this] { Run(); });
 }
 
@@ -40,8 +41,7 @@ std::optional<hsdp::v1::GetScheduleResponse> ScheduleStream::Take(
   absl::MutexLock lock(&mu_);
   auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return state_ == State::kDown || state_ == State::kUnsupported ||
-           state_ == State::kEnded ||
-           received_.count(step) > 0 ||
+           state_ == State::kEnded || received_.count(step) > 0 ||
            (drained_ && !received_.empty() &&
             received_.rbegin()->first <= step);
   };
@@ -58,6 +58,26 @@ std::optional<hsdp::v1::GetScheduleResponse> ScheduleStream::Take(
   received_.erase(received_.begin(), received_.lower_bound(step));
   if (out.has_value() && !out->drained()) received_.erase(step);
   return out;
+}
+
+std::optional<hsdp::v1::CommitStepResponse> ScheduleStream::AwaitCommit(
+    int64_t step, absl::Duration timeout) {
+  absl::MutexLock lock(&mu_);
+  auto answered = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return committed_.step() >= step;
+  };
+  auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return answered() || state_ == State::kDown ||
+           state_ == State::kUnsupported || state_ == State::kEnded;
+  };
+  mu_.AwaitWithTimeout(absl::Condition(&ready), timeout);
+  if (!answered()) return std::nullopt;
+  hsdp::v1::CommitStepResponse answer;
+  answer.set_step(step);
+  // A later commit: this step's generation went on after it.
+  answer.set_reform_after(committed_.step() == step &&
+                          committed_.reform_after());
+  return answer;
 }
 
 grpc::Status ScheduleStream::ReadOnce() {
@@ -78,6 +98,14 @@ grpc::Status ScheduleStream::ReadOnce() {
       stub_->WatchSchedules(&context, request);
   hsdp::v1::WatchSchedulesResponse message;
   while (stream->Read(&message)) {
+    if (message.has_committed()) {
+      absl::MutexLock lock(&mu_);
+      state_ = State::kUp;
+      if (message.committed().step() > committed_.step()) {
+        committed_ = message.committed();
+      }
+      continue;
+    }
     hsdp::v1::GetScheduleResponse response;
     if (message.drained()) {
       response.set_drained(true);

@@ -1,9 +1,11 @@
 // The worker's end of CoordinatorService.WatchSchedules: a background thread
-// holds the stream over which the coordinator pushes each sealed step, and the
-// training thread takes steps from it. An accelerator only: whatever the
+// holds the stream over which the coordinator pushes each sealed step and
+// each commit, and the training thread takes steps and awaits commits from
+// it. An accelerator only: whatever the
 // stream cannot serve (a coordinator without WatchSchedules, a broken stream,
-// a step that does not come in time) the caller fetches with GetSchedule, which
-// keeps all the retry and re-join logic (agent.h).
+// a step that does not come in time) the caller fetches with GetSchedule, and
+// a commit that does not come it asks CommitStep: those calls keep all the
+// retry and re-join logic (agent.h).
 //
 // A broken stream (coordinator restart) is reopened from the first step not
 // yet received, with backoff; UNIMPLEMENTED ends the attempts for good.
@@ -53,6 +55,14 @@ class ScheduleStream {
   std::optional<hsdp::v1::GetScheduleResponse> Take(int64_t step,
                                                     absl::Duration timeout);
 
+  // The commit of `step` (a voter's answer, as CommitStep gives it), waiting
+  // up to `timeout` while the stream is up or connecting; nullopt at once
+  // while it is down, unsupported or ended with no such commit received, and
+  // after the timeout. A later step's commit answers too: steps commit in
+  // order, and its generation went on past `step`.
+  std::optional<hsdp::v1::CommitStepResponse> AwaitCommit(
+      int64_t step, absl::Duration timeout);
+
   // The coordinator has no WatchSchedules.
   bool unsupported() const;
   int64_t generation() const { return generation_; }
@@ -77,6 +87,8 @@ class ScheduleStream {
   enum class State { kConnecting, kUp, kDown, kUnsupported, kEnded };
   State state_ ABSL_GUARDED_BY(mu_) = State::kConnecting;
   bool drained_ ABSL_GUARDED_BY(mu_) = false;
+  // The latest commit received (step -1: none).
+  hsdp::v1::CommitStepResponse committed_ ABSL_GUARDED_BY(mu_);
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   grpc::ClientContext* context_ ABSL_GUARDED_BY(mu_) = nullptr;
   std::thread reader_;

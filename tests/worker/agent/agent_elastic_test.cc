@@ -1,5 +1,6 @@
 // The agent's elastic calls against a real coordinator in this process:
-// commits, a failure report aborting a waiting vote, the generation watcher
+// commits (by call, and on the report and schedule streams), a failure report
+// aborting a waiting vote, the generation watcher
 // firing when a worker dies, re-forming smaller, a replacement joining and
 // being healed, and a lost worker joining again as a new one.
 #include <unistd.h>
@@ -251,6 +252,74 @@ TEST_F(AgentElasticTest, FailureReportAbortsAWaitingVote) {
   const coordinator::MembershipStatus status = server_->membership().Status();
   ASSERT_TRUE(status.last_failure.has_value());
   EXPECT_GT(status.last_failure->recovered_unix_ms(), 0);
+}
+
+// The count of `hsdp_commit_votes_total{via="<via>"}` in `metrics`, or -1.
+int Votes(const std::string& metrics, const std::string& via) {
+  const std::string key = "hsdp_commit_votes_total{via=\"" + via + "\"} ";
+  const size_t at = metrics.find(key);
+  if (at == std::string::npos) return -1;
+  return std::stoi(metrics.substr(at + key.size()));
+}
+
+// Agents that take their schedules from the schedule stream vote on the
+// report stream and get the commit on the schedule stream: no CommitStep call.
+// A member's failure ends a vote waiting there at once; the answer then comes
+// by call (ABORTED).
+TEST_F(AgentElasticTest, VotesGoOnTheStreamsAndAFailureEndsAWaitingOneAtOnce) {
+  StartServer({2, 1});
+  auto a = MakeAgent(0);
+  auto b = MakeAgent(1);
+  ASSERT_TRUE(a->Join().ok());
+  ASSERT_TRUE(b->Join().ok());
+  // Steps as the training loop runs them: schedule (from the stream), vote,
+  // report.
+  auto take_schedule = [](Agent& agent, int64_t step) {
+    absl::StatusOr<hsdp::v1::GetScheduleResponse> s =
+        agent.GetSchedule(step, 10);
+    ASSERT_TRUE(s.ok()) << s.status();
+    EXPECT_EQ(s->schedule().step(), step);
+  };
+  constexpr int64_t kSteps = 4;
+  for (int64_t step = 0; step < kSteps; ++step) {
+    take_schedule(*a, step);
+    take_schedule(*b, step);
+    CommitBoth(*a, *b, step, false);
+    for (Agent* agent : {a.get(), b.get()}) {
+      hsdp::v1::StepReport report;
+      report.set_step(step);
+      ASSERT_TRUE(agent->ReportStep(report, /*finished=*/false).ok());
+    }
+  }
+  std::string metrics = server_->metrics().Serialize();
+  EXPECT_EQ(Votes(metrics, "stream"), 2 * kSteps) << metrics;
+  EXPECT_EQ(Votes(metrics, "call"), 0) << metrics;
+  EXPECT_NE(metrics.find("hsdp_committed_step 3"), std::string::npos);
+
+  take_schedule(*a, kSteps);
+  take_schedule(*b, kSteps);
+  absl::StatusOr<hsdp::v1::CommitStepResponse> vote;
+  absl::Time voted_back;
+  std::thread voter([&] {
+    vote = b->CommitStep(kSteps);
+    voted_back = absl::Now();
+  });
+  // Until the streamed vote is counted.
+  const absl::Time deadline = absl::Now() + kLong;
+  while (Votes(server_->metrics().Serialize(), "stream") < 2 * kSteps + 1 &&
+         absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  const absl::Time reported = absl::Now();
+  absl::StatusOr<bool> ended = a->ReportFailure(kSteps, "AllGather failed");
+  voter.join();
+  ASSERT_TRUE(ended.ok()) << ended.status();
+  EXPECT_TRUE(*ended);
+  EXPECT_EQ(vote.status().code(), absl::StatusCode::kAborted) << vote.status();
+  EXPECT_LT(voted_back - reported, absl::Seconds(1));
+  metrics = server_->metrics().Serialize();
+  EXPECT_EQ(Votes(metrics, "stream"), 2 * kSteps + 1) << metrics;
+  EXPECT_EQ(Votes(metrics, "call"), 1) << metrics;
 }
 
 // The coordinator restarts (same port, same state directory) while one vote
