@@ -590,12 +590,15 @@ class ClientShard {
         if (w.incoming.has_committed()) {
           w.committed_step =
               std::max(w.committed_step, w.incoming.committed().step());
-          w.reader->Read(&w.incoming, Tag(i, kStreamRead));
           if (!w.vote_answered && w.committed_step >= w.voted_step) {
             w.vote_answered = true;
             VoteProgress(w);
           }
-          return true;
+          // A commit alone carries no step.
+          if (w.incoming.schedule().empty()) {
+            w.reader->Read(&w.incoming, Tag(i, kStreamRead));
+            return true;
+          }
         }
         const int64_t step = w.incoming.step();
         if (w.incoming.schedule().empty()) return Fail("empty schedule pushed");
@@ -721,6 +724,7 @@ bool RunOne(const Options& options, int n, Result* result) {
   std::vector<StepTimes> times(static_cast<size_t>(total_steps));
   std::vector<std::vector<double>> waits(threads);
   std::atomic<bool> failed{false};
+  absl::Barrier* joined = new absl::Barrier(threads);
   absl::Barrier* warmed = new absl::Barrier(threads + 1);
   absl::Barrier* go = new absl::Barrier(threads + 1);
   std::vector<absl::Barrier*> step_barriers;
@@ -732,6 +736,9 @@ bool RunOne(const Options& options, int n, Result* result) {
     clients.emplace_back([&, t] {
       ClientShard& shard = *shards[t];
       if (!shard.JoinAll(options.layers)) failed = true;
+      // No rank trains a step before every rank joined (its collectives need
+      // them all).
+      if (joined->Block()) delete joined;
       std::vector<double> ignored;
       // Every step: all need it, all report, then everybody waits for
       // everybody (the collectives).

@@ -78,15 +78,11 @@ void CoreEvents::OnShardGroupsAcrossHosts(
   }
 }
 
-void CoreEvents::OnStepCommitted(int64_t /*generation*/, int64_t step) {
-  core_.schedule_log->RecordCommitted(step);
-  core_.metrics->SetCommittedStep(step);
-}
-
-void CoreEvents::OnCommitAnswered(int64_t generation,
-                                  const CommitResult& answer) {
-  core_.schedule_log->RecordCommitAnswer(generation, answer.step,
-                                         answer.reform_after);
+void CoreEvents::OnStepCommitted(int64_t generation,
+                                 const CommitResult& commit) {
+  core_.schedule_log->RecordCommitted(commit.step, generation,
+                                      commit.reform_after);
+  core_.metrics->SetCommittedStep(commit.step);
 }
 
 void CoreEvents::OnRecovered(const hsdp::v1::FailureRecord& failure) {

@@ -22,8 +22,8 @@ void RefreshMembershipMetrics(const CoordinatorCore& core);
 // A generation that ends closes its rendezvous (waiting store calls fail
 // ABORTED); a new one starts the schedule log's generation (re-sealing
 // uncommitted steps for its world) and drops the old rendezvous keys; commits
-// move the read-ahead window, and commit answers and ended generations are
-// news for the schedule feed; metrics count failures and the time they cost;
+// move the read-ahead window and, with ended generations, are news for the
+// schedule feed; metrics count failures and the time they cost;
 // a shard group that spans hosts is logged and the schedule log plans for
 // the inter-host link. Runs under Membership's lock (see
 // MembershipListener); thread-safe like the components it calls.
@@ -40,9 +40,7 @@ class CoreEvents final : public MembershipListener {
       int64_t generation, int host_group_size,
       const std::vector<std::string>& warnings) override;
   int64_t LastCheckpointStep() override;
-  void OnStepCommitted(int64_t generation, int64_t step) override;
-  void OnCommitAnswered(int64_t generation,
-                        const CommitResult& answer) override;
+  void OnStepCommitted(int64_t generation, const CommitResult& commit) override;
   void OnRecovered(const hsdp::v1::FailureRecord& failure) override;
 
  private:

@@ -208,8 +208,9 @@ class Membership {
       ABSL_LOCKS_EXCLUDED(mu_);
   // CommitStep's vote without the wait: the answer when the step is committed
   // (by this vote or before), nullopt while votes are missing (the commit is
-  // announced by MembershipListener::OnCommitAnswered), or CommitStep's error
-  // (DEADLINE_EXCEEDED aside).
+  // announced by MembershipListener::OnStepCommitted), or CommitStep's error
+  // (DEADLINE_EXCEEDED aside). UNAVAILABLE, not counted, while the first
+  // generation still takes its ranks (CommitStep waits for it instead).
   absl::StatusOr<std::optional<CommitResult>> Vote(int64_t worker_id,
                                                    int64_t generation,
                                                    int64_t step)

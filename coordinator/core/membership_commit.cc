@@ -39,7 +39,16 @@ absl::StatusOr<std::optional<CommitResult>> Membership::Vote(int64_t worker_id,
                                                              int64_t step) {
   absl::MutexLock lock(&mu_);
   if (Worker* w = FindLocked(worker_id); w != nullptr) HeardFromLocked(*w);
-  return VoteLocked(worker_id, generation, step);
+  absl::StatusOr<std::optional<CommitResult>> answer =
+      VoteLocked(worker_id, generation, step);
+  if (answer.ok() && !answer->has_value() && current_.phase != Phase::kActive) {
+    // Not counted: a generation still taking its ranks trains no step.
+    // CommitStep waits for it to form instead.
+    return absl::UnavailableError(absl::StrCat(
+        "generation ", current_.info.generation(),
+        " has not formed yet (ranks still joining): vote with CommitStep"));
+  }
+  return answer;
 }
 
 absl::StatusOr<std::optional<CommitResult>> Membership::VoteLocked(
@@ -133,26 +142,27 @@ absl::Status Membership::CommitLocked(int64_t step) {
       (void)PersistLocked();
     }
   }
-  if (listener_ != nullptr) listener_->OnStepCommitted(current, step);
-  // Membership changes waiting for a step boundary happen here.
+  // Membership changes waiting for a step boundary happen here, after the
+  // commit is announced with its answer.
   UpdateGrowLocked();
-  if (current_.evict_since.has_value()) {
+  const bool evict = current_.evict_since.has_value();
+  const bool grow = current_.grow_since.has_value();
+  if (listener_ != nullptr) {
+    CommitResult commit;
+    commit.step = step;
+    commit.reform_after = evict || grow;
+    listener_->OnStepCommitted(current, commit);
+  }
+  if (evict) {
     const int64_t evicted = FirstEvictedMemberLocked();
     EndLocked(
         hsdp::v1::FAILURE_CAUSE_EVICTED,
         absl::StrCat("worker ", evicted, " evicted (at the step boundary)"),
         evicted, options_.clock->Now(), /*at_boundary=*/true);
-  } else if (current_.grow_since.has_value()) {
+  } else if (grow) {
     EndLocked(hsdp::v1::FAILURE_CAUSE_UNSPECIFIED,
               "workers joined: growing (at the step boundary)", 0,
               options_.clock->Now(), /*at_boundary=*/true);
-  }
-  if (listener_ != nullptr) {
-    CommitResult answer;
-    answer.step = step;
-    answer.reform_after = current_.info.generation() != current ||
-                          current_.phase != Phase::kActive;
-    listener_->OnCommitAnswered(current, answer);
   }
   changed_.SignalAll();
   return absl::OkStatus();

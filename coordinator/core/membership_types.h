@@ -141,11 +141,11 @@ class MembershipListener {
   virtual void OnShardGroupsAcrossHosts(
       int64_t /*generation*/, int /*host_group_size*/,
       const std::vector<std::string>& /*warnings*/) {}
-  virtual void OnStepCommitted(int64_t generation, int64_t step) = 0;
-  // The answer every voter of `step` gets, once the step boundary's work
-  // (a generation that ends there) is done.
-  virtual void OnCommitAnswered(int64_t /*generation*/,
-                                const CommitResult& /*answer*/) {}
+  // `commit.step` committed in `generation` (durably), with the answer every
+  // voter gets: reform_after when the generation ends at this step boundary
+  // (that end is announced after this call).
+  virtual void OnStepCommitted(int64_t generation,
+                               const CommitResult& commit) = 0;
   // The first step after a failure committed: the failure's cost is known.
   virtual void OnRecovered(const hsdp::v1::FailureRecord& failure) = 0;
   // The newest step every rank saved a checkpoint of, or -1: where a job

@@ -226,8 +226,16 @@ std::unique_ptr<Planner> ScheduleLog::NewPlannerLocked(
   return planner;
 }
 
-void ScheduleLog::RecordCommitted(int64_t step) {
+void ScheduleLog::RecordCommitted(int64_t step, int64_t generation,
+                                  bool reform_after) {
   absl::MutexLock lock(&mu_);
+  if (generation >= 0) {
+    news_.generation = generation;
+    news_.step = step;
+    news_.reform_after = reform_after;
+    ++news_.sequence;
+    window_cv_.SignalAll();
+  }
   if (step <= committed_floor_) return;
   committed_floor_ = step;
   checkpoint_requests_.erase(checkpoint_requests_.begin(),
@@ -454,16 +462,6 @@ void ScheduleLog::Shutdown() {
   window_cv_.SignalAll();
 }
 
-void ScheduleLog::RecordCommitAnswer(int64_t generation, int64_t step,
-                                     bool reform_after) {
-  absl::MutexLock lock(&mu_);
-  news_.generation = generation;
-  news_.step = step;
-  news_.reform_after = reform_after;
-  ++news_.sequence;
-  window_cv_.SignalAll();
-}
-
 void ScheduleLog::RecordGenerationEnded(int64_t generation) {
   absl::MutexLock lock(&mu_);
   if (generation <= news_.ended_generation) return;
@@ -477,15 +475,17 @@ CommitNews ScheduleLog::commit_news() const {
   return news_;
 }
 
-int64_t ScheduleLog::AwaitFloorChange(int64_t seen_floor, int64_t seen_news,
-                                      absl::Time deadline) {
+ScheduleLog::FeedState ScheduleLog::AwaitFeedChange(int64_t seen_floor,
+                                                    int64_t seen_news,
+                                                    absl::Time deadline) {
   absl::MutexLock lock(&mu_);
   if (FloorLocked() == seen_floor && news_.sequence == seen_news &&
       !shutdown_) {
-    // One wait: any signal (floor, seal, drain, shutdown, Wake) returns.
+    // One wait: any signal (floor, news, seal, drain, shutdown, Wake)
+    // returns.
     window_cv_.WaitWithDeadline(&mu_, deadline);
   }
-  return FloorLocked();
+  return FeedState{FloorLocked(), news_};
 }
 
 void ScheduleLog::Wake() {

@@ -98,7 +98,8 @@ struct PolicyInfo {
 
 // What a pusher of sealed steps (ScheduleFeed) announces besides schedules:
 // the latest commit, as every voter of its step is answered, and the newest
-// generation that ended.
+// generation that ended (a generation that ends at a commit's boundary ends
+// after that commit's news).
 struct CommitNews {
   // The generation and step of the latest commit (-1: none since the start).
   int64_t generation = -1;
@@ -114,7 +115,7 @@ struct CommitNews {
 // Thread-safe. Planning, sealing and persisting happen under one mutex; reads
 // of already sealed steps take only a separate reader lock. Lock order:
 // callers may hold Membership's lock (BeginGeneration, RecordCommitted,
-// RecordCommitAnswer, RecordGenerationEnded); the
+// RecordGenerationEnded); the
 // log never calls out except to the StateStore.
 class ScheduleLog {
  public:
@@ -182,11 +183,12 @@ class ScheduleLog {
   absl::Status BeginGeneration(const GenerationContext& context);
 
   // `step` committed: the window's floor is at least `step`, and checkpoint
-  // requests up to it are settled.
-  void RecordCommitted(int64_t step);
-  // The answer of `step`'s voters in `generation` (after its step boundary),
-  // and a generation that ended: news for the pusher (commit_news()).
-  void RecordCommitAnswer(int64_t generation, int64_t step, bool reform_after);
+  // requests up to it are settled. With its generation (not -1) the commit is
+  // also news for the pusher (commit_news()), in the same update as the
+  // floor, with its voters' answer (`reform_after`).
+  void RecordCommitted(int64_t step, int64_t generation = -1,
+                       bool reform_after = false);
+  // A generation that ended: news for the pusher.
   void RecordGenerationEnded(int64_t generation);
   CommitNews commit_news() const;
 
@@ -233,13 +235,21 @@ class ScheduleLog {
   // reads.
   void Shutdown();
 
-  // For a pusher of sealed steps (ScheduleFeed): blocks until the floor (see
-  // min_completed_step; restored lower bound included) differs from
-  // `seen_floor`, the commit news' sequence from `seen_news`, the log drains
-  // or shuts down, Wake() is called, or `deadline`; returns the floor then.
-  int64_t AwaitFloorChange(int64_t seen_floor, int64_t seen_news,
-                           absl::Time deadline);
-  // Wakes AwaitFloorChange (and lets blocked reads re-check).
+  // What a pusher of sealed steps (ScheduleFeed) reads in one snapshot: the
+  // floor (see min_completed_step; restored lower bound and committed step
+  // included) and the commit news. A commit raises the floor and is news in
+  // one update, so a snapshot with the news of step s has a floor of at least
+  // s, and one with a floor raised by a commit has its news.
+  struct FeedState {
+    int64_t floor = -1;
+    CommitNews news;
+  };
+  // Blocks until the floor differs from `seen_floor`, the commit news'
+  // sequence from `seen_news`, the log drains or shuts down, Wake() is
+  // called, or `deadline`; returns the state then.
+  FeedState AwaitFeedChange(int64_t seen_floor, int64_t seen_news,
+                            absl::Time deadline);
+  // Wakes AwaitFeedChange (and lets blocked reads re-check).
   void Wake();
   bool is_shut_down() const;
 

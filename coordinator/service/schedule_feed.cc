@@ -35,11 +35,15 @@ std::shared_ptr<const grpc::ByteBuffer> Serialize(
   return message;
 }
 
-// The message that announces the commit in `news`.
+void SetCommit(const CommitNews& news, WatchSchedulesResponse* response) {
+  response->mutable_committed()->set_step(news.step);
+  response->mutable_committed()->set_reform_after(news.reform_after);
+}
+
+// The message that announces the commit in `news` alone.
 std::shared_ptr<const grpc::ByteBuffer> CommitMessage(const CommitNews& news) {
   WatchSchedulesResponse response;
-  response.mutable_committed()->set_step(news.step);
-  response.mutable_committed()->set_reform_after(news.reform_after);
+  SetCommit(news, &response);
   return Serialize(response);
 }
 
@@ -68,6 +72,9 @@ class ScheduleWatch final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
   // The next step this stream waits for; only under the feed's mutex.
   int64_t next_step() const { return next_step_; }
   void set_next_step(int64_t step) { next_step_ = step; }
+  // The latest commit queued on it (-1: none); only under the feed's mutex.
+  int64_t commit_step() const { return commit_step_; }
+  void set_commit_step(int64_t step) { commit_step_ = step; }
 
   void Ref() { refs_.fetch_add(1); }
   void Unref() {
@@ -158,8 +165,9 @@ class ScheduleWatch final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
   }
 
   ScheduleFeed* const feed_;
-  const int64_t worker_id_;  // 0: a client that sent only its rank
-  int64_t next_step_;        // guarded by feed_->mu_
+  const int64_t worker_id_;   // 0: a client that sent only its rank
+  int64_t next_step_;         // guarded by feed_->mu_
+  int64_t commit_step_ = -1;  // guarded by feed_->mu_
   const GenerationContext generation_;
   // gRPC's and the feed registry's.
   std::atomic<int> refs_{2};
@@ -209,7 +217,10 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* ScheduleFeed::Subscribe(
   // The generation's latest commit first: the worker may wait for it.
   const CommitNews news = log_->commit_news();
   if (news.generation == generation.generation) {
-    if (auto message = CommitMessage(news)) watch->Push(message, false);
+    if (auto message = CommitMessage(news)) {
+      watch->set_commit_step(news.step);  // not shared yet
+      watch->Push(message, /*last=*/false);
+    }
   }
   bool registered = false;
   bool ended = news.ended_generation >= generation.generation;
@@ -310,18 +321,21 @@ void ScheduleFeed::Run() {
       absl::MutexLock lock(&mu_);
       if (stopped_) return;
     }
-    floor = log_->AwaitFloorChange(floor, news_seen,
-                                   absl::Now() + options_.poll_interval);
+    const ScheduleLog::FeedState state = log_->AwaitFeedChange(
+        floor, news_seen, absl::Now() + options_.poll_interval);
     if (log_->is_shut_down()) return;
-    // Every wake: a stream opened since may still lack the latest commit.
-    const CommitNews news = log_->commit_news();
-    news_seen = news.sequence;
-    PushNews(news);
-    PushAvailable(floor);
+    floor = state.floor;
+    news_seen = state.news.sequence;
+    // A commit rides on the schedule its step made pushable (a commit of s
+    // raised the floor to s: s + 1 + push_ahead goes out with it); the
+    // streams that wait for no such step get it alone. Every wake: a stream
+    // opened since may still lack the latest commit.
+    PushAvailable(floor, state.news);
+    PushNews(state.news);
   }
 }
 
-void ScheduleFeed::PushAvailable(int64_t floor) {
+void ScheduleFeed::PushAvailable(int64_t floor, const CommitNews& news) {
   const int push_ahead =
       std::clamp(options_.push_ahead, 0, log_->options().read_ahead);
   const int64_t limit = floor + 1 + push_ahead;
@@ -334,7 +348,7 @@ void ScheduleFeed::PushAvailable(int64_t floor) {
       if (!streams.ended) numbers.push_back(number);
     }
   }
-  for (const int64_t number : numbers) PushGeneration(number, limit);
+  for (const int64_t number : numbers) PushGeneration(number, limit, news);
 }
 
 void ScheduleFeed::PushNews(const CommitNews& news) {
@@ -344,10 +358,15 @@ void ScheduleFeed::PushNews(const CommitNews& news) {
     absl::MutexLock lock(&mu_);
     if (stopped_) return;
     auto g = generations_.find(news.generation);
-    if (g != generations_.end() && !g->second.ended &&
-        news.step > g->second.commit_pushed) {
-      g->second.commit_pushed = news.step;
-      targets = RefAll(g->second);
+    if (g != generations_.end() && !g->second.ended) {
+      for (const auto& [step, watches] : g->second.waiting) {
+        for (ScheduleWatch* w : watches) {
+          if (w->commit_step() >= news.step) continue;
+          w->set_commit_step(news.step);
+          w->Ref();
+          targets.push_back(w);
+        }
+      }
     }
     for (const auto& [number, streams] : generations_) {
       if (number <= news.ended_generation && !streams.ended) {
@@ -403,7 +422,8 @@ void ScheduleFeed::EndGeneration(int64_t number, const std::string& why) {
   }
 }
 
-void ScheduleFeed::PushGeneration(int64_t number, int64_t limit) {
+void ScheduleFeed::PushGeneration(int64_t number, int64_t limit,
+                                  const CommitNews& news) {
   while (true) {
     // The earliest step a stream of this generation waits for.
     int64_t step;
@@ -446,7 +466,8 @@ void ScheduleFeed::PushGeneration(int64_t number, int64_t limit) {
       }
       return;
     }
-    // Serialized once: every stream writes these bytes.
+    // Serialized once: every stream writes these bytes (those still lacking
+    // the latest commit, the same with the commit).
     WatchSchedulesResponse response;
     response.set_step(step);
     if (read->drained) {
@@ -455,13 +476,21 @@ void ScheduleFeed::PushGeneration(int64_t number, int64_t limit) {
       response.set_schedule(read->sealed->bytes);
     }
     std::shared_ptr<const grpc::ByteBuffer> message = Serialize(response);
-    if (message == nullptr) {
+    std::shared_ptr<const grpc::ByteBuffer> with_commit;
+    const bool has_news = news.generation == number && news.step >= 0;
+    if (has_news) {
+      SetCommit(news, &response);
+      with_commit = Serialize(response);
+    }
+    if (message == nullptr || (has_news && with_commit == nullptr)) {
       std::cerr << "hsdp-coordinator: pushing step " << step
                 << ": cannot serialize it\n";
       return;
     }
     const int64_t next = read->drained ? kNoStep : step + 1;
     std::vector<ScheduleWatch*> targets;
+    // Per target: it gets the commit with the step.
+    std::vector<bool> commit;
     {
       absl::MutexLock lock(&mu_);
       auto g = generations_.find(number);
@@ -475,11 +504,14 @@ void ScheduleFeed::PushGeneration(int64_t number, int64_t limit) {
         w->Ref();
         w->set_next_step(next);
         moved.push_back(w);
+        commit.push_back(has_news && w->commit_step() < news.step);
+        if (commit.back()) w->set_commit_step(news.step);
       }
     }
-    for (ScheduleWatch* w : targets) {
-      w->Push(message, /*last=*/read->drained);
-      w->Unref();
+    for (size_t i = 0; i < targets.size(); ++i) {
+      targets[i]->Push(commit[i] ? with_commit : message,
+                       /*last=*/read->drained);
+      targets[i]->Unref();
     }
   }
 }

@@ -21,9 +21,12 @@
 // trains in: it carries that generation's schedules, and ends ABORTED once the
 // generation ended (the worker re-forms, then opens a stream for the next).
 // Commits go out the same way: each commit of a generation (CommitNews from
-// the log, recorded once its step boundary's work is done) is one message,
-// serialized once, written to every stream of that generation; a stream
-// opened later first gets the generation's latest commit. Once the log says a
+// the log, recorded with the commit, before an end at its boundary) is
+// serialized once
+// and written to every stream of that generation, inside the message of the
+// step the commit made pushable where a stream waits for one (the commit of s
+// raised the floor to s), alone otherwise; a stream opened later first gets
+// the generation's latest commit. Once the log says a
 // generation ended, its streams end ABORTED after what is queued on them (a
 // commit that ended the generation reaches every voter first). So a worker
 // that voted on its report stream waits for the answer here, and learns at
@@ -119,19 +122,18 @@ class ScheduleFeed {
     std::map<int64_t, std::vector<ScheduleWatch*>> waiting;
     // Its streams were ended ABORTED (the generation is over).
     bool ended = false;
-    // The latest commit written to its streams, or -1.
-    int64_t commit_pushed = -1;
   };
 
   void Run();
-  // Writes the news' commit to its generation's streams (unless written), and
+  // Writes the news' commit to its generation's streams that lack it, and
   // ends the streams of generations that ended.
   void PushNews(const CommitNews& news);
-  // Pushes every step up to the floor's limit that some stream waits for.
-  void PushAvailable(int64_t floor);
+  // Pushes every step up to the floor's limit that some stream waits for,
+  // with the news' commit to the streams that lack it.
+  void PushAvailable(int64_t floor, const CommitNews& news);
   // The same for the streams of generation `number`; ends them ABORTED when
   // that generation has ended.
-  void PushGeneration(int64_t number, int64_t limit);
+  void PushGeneration(int64_t number, int64_t limit, const CommitNews& news);
   // Ends the streams of generation `number` ABORTED with `why`.
   void EndGeneration(int64_t number, const std::string& why);
   void Unregister(ScheduleWatch* watch);

@@ -488,6 +488,27 @@ TEST_F(ElasticTest, AVoteWithoutWaitingCountsOnceAndItsCommitIsAnnounced) {
   EXPECT_EQ(m->Vote(ids[0], 0, 2).status().code(), absl::StatusCode::kAborted);
 }
 
+// While the first generation still takes its ranks, a vote that does not wait
+// is refused UNAVAILABLE and not counted (CommitStep waits for the formation).
+TEST_F(ElasticTest, AVoteWithoutWaitingBeforeEveryRankJoinedIsNotCounted) {
+  auto m = Make({2, 1});
+  absl::StatusOr<JoinResult> first = m->Join(Args(0, "host-0"));
+  ASSERT_TRUE(first.ok()) << first.status();
+  absl::Status early = m->Vote(first->worker_id, 0, 0).status();
+  EXPECT_EQ(early.code(), absl::StatusCode::kUnavailable) << early;
+  EXPECT_TRUE(absl::StrContains(early.message(), "not formed yet")) << early;
+  absl::StatusOr<JoinResult> second = m->Join(Args(1, "host-1"));
+  ASSERT_TRUE(second.ok()) << second.status();
+  // Formed: rank 0's earlier vote did not count, so rank 1's does not commit.
+  absl::StatusOr<std::optional<CommitResult>> pending =
+      m->Vote(second->worker_id, 0, 0);
+  ASSERT_TRUE(pending.ok()) << pending.status();
+  EXPECT_FALSE(pending->has_value());
+  pending = m->Vote(first->worker_id, 0, 0);
+  ASSERT_TRUE(pending.ok()) << pending.status();
+  EXPECT_TRUE(pending->has_value());
+}
+
 // 3x2 loses a worker (2x2 + a standby), trains on; a joiner makes a third
 // group possible: at the next step boundary the job grows back, the standby
 // survivor first, both healed from every holder of their shard index.

@@ -46,13 +46,11 @@ class RecordingListener final : public MembershipListener {
           absl::StrCat("generation ", generation, ": ", warning));
     }
   }
-  void OnStepCommitted(int64_t generation, int64_t step) override {
-    events.push_back(absl::StrCat("committed ", generation, ":", step));
-  }
-  void OnCommitAnswered(int64_t generation,
-                        const CommitResult& answer) override {
-    answers.push_back(absl::StrCat(generation, ":", answer.step,
-                                   answer.reform_after ? " reform" : ""));
+  void OnStepCommitted(int64_t generation,
+                       const CommitResult& commit) override {
+    events.push_back(absl::StrCat("committed ", generation, ":", commit.step));
+    answers.push_back(absl::StrCat(generation, ":", commit.step,
+                                   commit.reform_after ? " reform" : ""));
   }
   void OnRecovered(const hsdp::v1::FailureRecord& failure) override {
     recovered.push_back(failure);

@@ -226,9 +226,10 @@ TEST_F(FeedTest, AnEndedGenerationsStreamsEndAbortedAndTheNextOnesGetItsSteps) {
 }
 
 // Votes sent on the report stream are answered on the schedule streams: each
-// commit goes to every stream of its generation, a stream opened later first
-// gets the latest one, a refused vote ends its voter's stream with the vote's
-// error, and the generation's end ends the others ABORTED.
+// commit goes to every stream of its generation, inside the message of the
+// step it made pushable, a stream opened later first gets the latest one, a
+// refused vote ends its voter's stream with the vote's error, and the
+// generation's end ends the others ABORTED.
 TEST_F(FeedTest, StreamedVotesAreAnsweredOnEveryStreamOfTheGeneration) {
   Start(/*push_ahead=*/1, "", MeshShape{kWorld, 1});
   using Writer = grpc::ClientWriter<hsdp::v1::StreamReportsRequest>;
@@ -248,34 +249,47 @@ TEST_F(FeedTest, StreamedVotesAreAnsweredOnEveryStreamOfTheGeneration) {
     message.mutable_vote()->set_step(step);
     return votes[rank]->Write(message);
   };
-  // The next commit a stream carries (schedules are skipped).
+  // The next message of a stream that carries a commit (schedules alone are
+  // skipped).
   auto next_commit =
-      [](Stream* s) -> std::optional<hsdp::v1::CommitStepResponse> {
+      [](Stream* s) -> std::optional<hsdp::v1::WatchSchedulesResponse> {
     hsdp::v1::WatchSchedulesResponse message;
     while (s->Read(&message)) {
-      if (message.has_committed()) return message.committed();
+      if (message.has_committed()) return message;
     }
     return std::nullopt;
   };
   auto c0 = Ctx(), c1 = Ctx();
   std::unique_ptr<Stream> s0 = WatchAs(0, 0, 0, c0.get());
   std::unique_ptr<Stream> s1 = WatchAs(1, 0, 0, c1.get());
+  // Both streams are served (a stream opened after a commit would get it
+  // alone first).
+  for (Stream* s : {s0.get(), s1.get()}) {
+    hsdp::v1::WatchSchedulesResponse first;
+    ASSERT_TRUE(s->Read(&first));
+    EXPECT_EQ(first.step(), 0);
+  }
   for (int64_t step = 0; step < 3; ++step) {
     ASSERT_TRUE(vote(0, step));
     ASSERT_TRUE(vote(1, step));
     for (Stream* s : {s0.get(), s1.get()}) {
-      std::optional<hsdp::v1::CommitStepResponse> commit = next_commit(s);
+      std::optional<hsdp::v1::WatchSchedulesResponse> commit = next_commit(s);
       ASSERT_TRUE(commit.has_value()) << "step " << step;
-      EXPECT_EQ(commit->step(), step);
-      EXPECT_FALSE(commit->reform_after());
+      EXPECT_EQ(commit->committed().step(), step);
+      EXPECT_FALSE(commit->committed().reform_after());
+      // The commit of s raised the floor to s: it rides on step s + 2 (push
+      // ahead 1), one message per stream.
+      EXPECT_EQ(commit->step(), step + 2) << "commit of step " << step;
+      EXPECT_FALSE(commit->schedule().empty());
     }
   }
   // Opened after the commits: the latest first.
   auto late_context = Ctx();
   std::unique_ptr<Stream> late = WatchAs(1, 0, 3, late_context.get());
-  std::optional<hsdp::v1::CommitStepResponse> latest = next_commit(late.get());
+  std::optional<hsdp::v1::WatchSchedulesResponse> latest =
+      next_commit(late.get());
   ASSERT_TRUE(latest.has_value());
-  EXPECT_EQ(latest->step(), 2);
+  EXPECT_EQ(latest->committed().step(), 2);
   // Step 5 is not the next to commit: rank 0's vote is refused, and its
   // schedule stream ends with the same error its report stream ends with.
   ASSERT_TRUE(vote(0, 5));

@@ -104,8 +104,9 @@ grpc::Status ScheduleStream::ReadOnce() {
       if (message.committed().step() > committed_.step()) {
         committed_ = message.committed();
       }
-      continue;
     }
+    // A commit alone carries no step.
+    if (!message.drained() && message.schedule().empty()) continue;
     hsdp::v1::GetScheduleResponse response;
     if (message.drained()) {
       response.set_drained(true);
