@@ -231,6 +231,7 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* ScheduleFeed::Subscribe(
       streams.context = generation;
       streams.waiting[request.from_step()].push_back(watch);
       ++streams_;
+      subscribed_ = true;
       registered = true;
       // Its generation ended between the member check and now.
       ended = ended || streams.ended;
@@ -328,8 +329,8 @@ void ScheduleFeed::Run() {
     news_seen = state.news.sequence;
     // A commit rides on the schedule its step made pushable (a commit of s
     // raised the floor to s: s + 1 + push_ahead goes out with it); the
-    // streams that wait for no such step get it alone. Every wake: a stream
-    // opened since may still lack the latest commit.
+    // streams that wait for no such step get it alone, as does a stream
+    // opened since the last wake that may still lack it.
     PushAvailable(floor, state.news);
     PushNews(state.news);
   }
@@ -358,7 +359,11 @@ void ScheduleFeed::PushNews(const CommitNews& news) {
     absl::MutexLock lock(&mu_);
     if (stopped_) return;
     auto g = generations_.find(news.generation);
-    if (g != generations_.end() && !g->second.ended) {
+    // Only a new commit, or a stream opened since the last look, can lack it.
+    const bool look = news.sequence != news_pushed_ || subscribed_;
+    news_pushed_ = news.sequence;
+    subscribed_ = false;
+    if (look && g != generations_.end() && !g->second.ended) {
       for (const auto& [step, watches] : g->second.waiting) {
         for (ScheduleWatch* w : watches) {
           if (w->commit_step() >= news.step) continue;

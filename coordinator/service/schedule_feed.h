@@ -145,6 +145,10 @@ class ScheduleFeed {
   mutable absl::Mutex mu_;
   std::map<int64_t, GenerationStreams> generations_ ABSL_GUARDED_BY(mu_);
   int streams_ ABSL_GUARDED_BY(mu_) = 0;
+  // The commit news PushNews last looked at, and whether a stream was opened
+  // since: otherwise no stream can lack the latest commit.
+  int64_t news_pushed_ ABSL_GUARDED_BY(mu_) = 0;
+  bool subscribed_ ABSL_GUARDED_BY(mu_) = false;
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;
   std::thread pusher_;
 };

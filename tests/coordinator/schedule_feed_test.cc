@@ -103,6 +103,19 @@ class FeedTest : public ::testing::Test {
     return response.schedule().SerializeAsString();
   }
 
+  // Rank 0 reports a failed collective at `step` of generation 0: the
+  // generation ends at once.
+  void FailAsRankZero(int64_t step) {
+    hsdp::v1::ReportFailureRequest failure;
+    failure.set_job_id(kJob);
+    failure.set_worker_id(joined_[0].worker_id());
+    failure.set_generation(0);
+    failure.set_step(step);
+    failure.set_detail("AllReduce: lost peer rank 1");
+    hsdp::v1::ReportFailureResponse failed;
+    ASSERT_TRUE(stub_->ReportFailure(Ctx().get(), failure, &failed).ok());
+  }
+
   std::unique_ptr<CoordinatorServer> server_;
   std::unique_ptr<CoordinatorService::Stub> stub_;
   std::vector<hsdp::v1::JoinResponse> joined_;
@@ -194,14 +207,7 @@ TEST_F(FeedTest, AnEndedGenerationsStreamsEndAbortedAndTheNextOnesGetItsSteps) {
   while (s1->Read(&message)) {
   }
   EXPECT_EQ(s1->Finish().error_code(), grpc::StatusCode::CANCELLED);
-  hsdp::v1::ReportFailureRequest failure;
-  failure.set_job_id(kJob);
-  failure.set_worker_id(joined_[0].worker_id());
-  failure.set_generation(0);
-  failure.set_step(0);
-  failure.set_detail("AllReduce: lost peer rank 1");
-  hsdp::v1::ReportFailureResponse failed;
-  ASSERT_TRUE(stub_->ReportFailure(Ctx().get(), failure, &failed).ok());
+  ASSERT_NO_FATAL_FAILURE(FailAsRankZero(/*step=*/0));
   for (Stream* s : {s0.get(), s0b.get()}) {
     while (s->Read(&message)) EXPECT_LE(message.step(), 1);
     EXPECT_EQ(s->Finish().error_code(), grpc::StatusCode::ABORTED);
@@ -302,14 +308,7 @@ TEST_F(FeedTest, StreamedVotesAreAnsweredOnEveryStreamOfTheGeneration) {
   while (vote(0, 5)) absl::SleepFor(absl::Milliseconds(1));
   EXPECT_EQ(votes[0]->Finish().error_code(), grpc::StatusCode::OUT_OF_RANGE);
   // Rank 1's streams carry on until the generation ends.
-  hsdp::v1::ReportFailureRequest failure;
-  failure.set_job_id(kJob);
-  failure.set_worker_id(joined_[0].worker_id());
-  failure.set_generation(0);
-  failure.set_step(3);
-  failure.set_detail("AllReduce: lost peer rank 1");
-  hsdp::v1::ReportFailureResponse failed;
-  ASSERT_TRUE(stub_->ReportFailure(Ctx().get(), failure, &failed).ok());
+  ASSERT_NO_FATAL_FAILURE(FailAsRankZero(/*step=*/3));
   for (Stream* s : {s1.get(), late.get()}) {
     EXPECT_FALSE(next_commit(s).has_value());
     EXPECT_EQ(s->Finish().error_code(), grpc::StatusCode::ABORTED);
