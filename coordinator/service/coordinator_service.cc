@@ -320,13 +320,33 @@ CoordinatorServiceImpl::StreamReports(
   return ReadReports(context, job_auth_.Check(*context),
                      [this](const hsdp::v1::StreamReportsRequest& message) {
                        CallTracker::Scope in_flight(service_.calls);
-                       if (message.has_report()) {
-                         HSDP_RETURN_IF_ERROR(RecordReport(message.report()));
-                       }
-                       if (message.has_vote())
-                         return RecordVote(message.vote());
-                       return absl::OkStatus();
+                       return RecordStreamed(message);
                      });
+}
+
+absl::Status CoordinatorServiceImpl::RecordStreamed(
+    const hsdp::v1::StreamReportsRequest& message) {
+  // One worker's part: its report, then its vote (not counted after a report
+  // that failed, as the worker's next call would not be either).
+  auto record_one = [this](const hsdp::v1::StreamReportsRequest& one) {
+    if (one.has_report()) HSDP_RETURN_IF_ERROR(RecordReport(one.report()));
+    if (one.has_vote()) return RecordVote(one.vote());
+    return absl::OkStatus();
+  };
+  absl::Status first = record_one(message);
+  // A relay's batch holds several workers: one worker's error must not drop
+  // the others' reports and votes, so every part is recorded before the
+  // stream ends with the first error.
+  for (const hsdp::v1::StreamReportsRequest& relayed : message.relayed()) {
+    absl::Status s =
+        relayed.relayed_size() > 0
+            ? absl::InvalidArgumentError(
+                  "StreamReportsRequest.relayed: a relayed message carries no "
+                  "relayed messages of its own")
+            : record_one(relayed);
+    if (first.ok()) first = std::move(s);
+  }
+  return first;
 }
 
 absl::Status CoordinatorServiceImpl::RecordVote(

@@ -140,6 +140,9 @@ class CoordinatorServiceImpl final : public CoordinatorServiceBase {
   // A vote on the report stream (Membership::Vote); a refused one also ends
   // the voter's schedule stream.
   absl::Status RecordVote(const hsdp::v1::CommitStepRequest& vote);
+  // One message of a report stream: its report and vote, then each relayed
+  // worker's (all recorded; the first error is returned).
+  absl::Status RecordStreamed(const hsdp::v1::StreamReportsRequest& message);
   // Runs `body` (returning absl::Status) as Serve does and finishes the
   // callback call with its result.
   template <typename Body>

@@ -34,10 +34,10 @@ class ServerReadReactor;
 namespace hsdp::coordinator {
 
 // Initial-metadata key with which the coordinator says it serves
-// StreamReports, and its value: "1" reports only, "2" (this coordinator) also
-// votes.
+// StreamReports, and its value: "1" reports only, "2" also votes, "3" (this
+// coordinator) also messages relayed for several workers by a host relay.
 inline constexpr char kReportStreamMetadataKey[] = "hsdp-report-stream";
-inline constexpr char kReportStreamVersion[] = "2";
+inline constexpr char kReportStreamVersion[] = "3";
 
 // Records one message (its report, then its vote); called once per message.
 using RecordReportFn =
