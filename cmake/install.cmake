@@ -2,8 +2,9 @@
 # exists).
 #
 # Installs under CMAKE_INSTALL_PREFIX:
-#   bin/      hsdp-coordinator, hsdp-worker, hsdpctl, hsdp-launch, hsdp-ckpt, hsdp-compare (hsdp-launch
-#             finds the coordinator next to itself; --worker-binary launches a user's worker instead)
+#   bin/      hsdp-coordinator, hsdp-worker, hsdpctl, hsdp-launch, hsdp-ckpt, hsdp-compare,
+#             hsdp-relay (hsdp-launch finds the coordinator next to itself; --worker-binary
+#             launches a user's worker instead)
 #   include/  the public headers, include/hsdp/ of the source tree and nothing else
 #   lib/      the static libraries, and lib/cmake/hsdp/ with hsdpConfig.cmake,
 #             hsdpConfigVersion.cmake and hsdpTargets.cmake
@@ -83,7 +84,7 @@ install(TARGETS ${_hsdp_export_targets}
 
 set(_hsdp_binaries hsdp-coordinator hsdpctl)
 if(HSDP_BUILD_WORKER)
-  list(APPEND _hsdp_binaries hsdp-worker hsdp-launch hsdp-ckpt hsdp-compare)
+  list(APPEND _hsdp_binaries hsdp-worker hsdp-launch hsdp-ckpt hsdp-compare hsdp-relay)
 endif()
 # Shared libraries linked from outside the system's directories (e.g. NCCL under /usr/local/cuda)
 # stay findable from the installed binaries.

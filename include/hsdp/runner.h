@@ -122,6 +122,10 @@ struct WorkerOptions {
   // settings (every rank must agree).
   TaskArgs task_args;
   std::string coordinator = "localhost:50051";
+  // This host's relay (hsdp-relay), HOST:PORT or unix:PATH: the schedule and
+  // report streams go there, shared with the host's other ranks, while every
+  // call goes to the coordinator. Empty: no relay.
+  std::string relay;
   std::string job_id;
   // Files of the coordinator's worker-API credentials: the job token (empty:
   // HSDP_JOB_TOKEN_FILE, else HSDP_JOB_TOKEN, else none), and TLS — the

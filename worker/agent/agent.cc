@@ -123,7 +123,9 @@ absl::Status FromGrpc(const grpc::Status& status, const std::string& what) {
                       absl::StrCat(what, ": ", status.error_message()));
 }
 
-Agent::Agent(AgentOptions options) : options_(std::move(options)) {
+std::shared_ptr<grpc::Channel> MakeCoordinatorChannel(
+    const AgentOptions& options, const std::string& address, bool secure,
+    absl::Status* setup) {
   grpc::ChannelArguments args;
   args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, kKeepaliveTimeMs);
   args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, kKeepaliveTimeoutMs);
@@ -132,31 +134,30 @@ Agent::Agent(AgentOptions options) : options_(std::move(options)) {
   // s..120 s backoff.
   args.SetInt(
       GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS,
-      static_cast<int>(absl::ToInt64Milliseconds(options_.initial_backoff)));
-  args.SetInt(
-      GRPC_ARG_MAX_RECONNECT_BACKOFF_MS,
-      static_cast<int>(absl::ToInt64Milliseconds(options_.max_backoff)));
+      static_cast<int>(absl::ToInt64Milliseconds(options.initial_backoff)));
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS,
+              static_cast<int>(absl::ToInt64Milliseconds(options.max_backoff)));
   args.SetInt(GRPC_ARG_DNS_MIN_TIME_BETWEEN_RESOLUTIONS_MS,
               kMinTimeBetweenResolutionsMs);
   std::shared_ptr<grpc::ChannelCredentials> creds;
-  setup_ = CheckTlsOptions(options_);
-  if (options_.tls_ca_pem.empty()) {
+  *setup = CheckTlsOptions(options);
+  if (!secure || options.tls_ca_pem.empty()) {
     creds = grpc::InsecureChannelCredentials();
   } else {
     grpc::SslCredentialsOptions ssl;
-    ssl.pem_root_certs = options_.tls_ca_pem;
-    ssl.pem_cert_chain = options_.tls_client_cert_pem;
-    ssl.pem_private_key = options_.tls_client_key_pem;
+    ssl.pem_root_certs = options.tls_ca_pem;
+    ssl.pem_cert_chain = options.tls_client_cert_pem;
+    ssl.pem_private_key = options.tls_client_key_pem;
     creds = grpc::SslCredentials(ssl);
   }
-  std::string token = options_.job_token;
+  std::string token = options.job_token;
   if (token.empty()) {
     absl::StatusOr<std::string> from_env =
         ResolveToken("", kJobTokenFileEnv, kJobTokenEnv);
     if (from_env.ok()) {
       token = *std::move(from_env);
-    } else if (setup_.ok()) {
-      setup_ = from_env.status();
+    } else if (setup->ok()) {
+      *setup = from_env.status();
     }
   }
   std::vector<
@@ -165,11 +166,25 @@ Agent::Agent(AgentOptions options) : options_(std::move(options)) {
   if (!token.empty()) {
     interceptors.push_back(std::make_unique<BearerInterceptorFactory>(token));
   }
-  auto channel = grpc::experimental::CreateCustomChannelWithInterceptors(
-      options_.coordinator, creds, args, std::move(interceptors));
+  return grpc::experimental::CreateCustomChannelWithInterceptors(
+      address, creds, args, std::move(interceptors));
+}
+
+Agent::Agent(AgentOptions options) : options_(std::move(options)) {
+  auto channel = MakeCoordinatorChannel(options_, options_.coordinator,
+                                        /*secure=*/true, &setup_);
   stub_ = hsdp::v1::CoordinatorService::NewStub(channel);
+  // With a relay, both streams go to it (a local address: no TLS, the job
+  // token still); every call goes to the coordinator.
+  std::shared_ptr<grpc::Channel> streams = channel;
+  if (!options_.relay.empty()) {
+    absl::Status relay_setup;
+    streams = MakeCoordinatorChannel(options_, options_.relay,
+                                     /*secure=*/false, &relay_setup);
+    relay_stub_ = hsdp::v1::CoordinatorService::NewStub(streams);
+  }
   if (options_.stream_reports) {
-    report_stream_ = std::make_unique<ReportStream>(channel);
+    report_stream_ = std::make_unique<ReportStream>(streams);
   }
 }
 
@@ -395,7 +410,8 @@ absl::StatusOr<hsdp::v1::GetScheduleResponse> Agent::GetSchedule(
         schedule_stream_->generation() != generation()) {
       schedule_stream_.reset();
       schedule_stream_ = std::make_unique<ScheduleStream>(
-          stub_.get(), options_.job_id, worker_id(), rank(), generation(), step,
+          relay_stub_ != nullptr ? relay_stub_.get() : stub_.get(),
+          options_.job_id, worker_id(), rank(), generation(), step,
           ScheduleStream::Options{options_.initial_backoff,
                                   options_.max_backoff});
     }

@@ -103,6 +103,11 @@ struct AgentOptions {
   // (report_stream.h) while it serves it; ReportStep covers the rest (a
   // worker's last report, a broken stream, older coordinators).
   bool stream_reports = true;
+  // host:port (or unix:PATH) of this host's relay (hsdp-relay): the schedule
+  // and report streams go there, shared with the host's other workers, and
+  // every call still goes to the coordinator. Empty: streams go to the
+  // coordinator too. The relay is local: plaintext, with the job token.
+  std::string relay;
 };
 
 // Paths from the worker's command line (empty: not given): --job-token-file,
@@ -120,6 +125,14 @@ struct AgentSecurityFiles {
 // without a CA.
 absl::Status LoadAgentSecurityFiles(const AgentSecurityFiles& files,
                                     AgentOptions* options);
+
+// A channel to `address` as the agent makes them: keepalive, quick reconnects,
+// the job token of `options` (or the environment), and TLS when `secure` and
+// `options` has a CA. `*setup` gets what is wrong with `options` (TLS files,
+// an unreadable token file), OK otherwise; the channel is made either way.
+std::shared_ptr<grpc::Channel> MakeCoordinatorChannel(
+    const AgentOptions& options, const std::string& address, bool secure,
+    absl::Status* setup);
 
 // Converts a gRPC status to an absl::Status with the same code, prefixing
 // `what`.
@@ -255,6 +268,8 @@ class Agent {
   // constructor.
   absl::Status setup_;
   std::unique_ptr<hsdp::v1::CoordinatorService::Stub> stub_;
+  // The relay's, when options_.relay is set: WatchSchedules goes there.
+  std::unique_ptr<hsdp::v1::CoordinatorService::Stub> relay_stub_;
   std::atomic<int64_t> current_step_{0};
 
   mutable absl::Mutex mu_;

@@ -152,6 +152,7 @@ absl::Status ElasticLoop::Start() {
 
   agent::AgentOptions ao;
   ao.coordinator = o_.coordinator;
+  ao.relay = o_.relay;
   ao.job_id = o_.job_id;
   ao.rank_hint = o_.rank_hint;
   ao.hostname = HostId(o_);

@@ -99,6 +99,11 @@ int RunWorkerMain(int argc, char** argv, const TaskFactory* factory,
                                   definition->description)};
   app.add_option("--coordinator", w.coordinator, "coordinator HOST:PORT")
       ->envname("HSDP_COORDINATOR");
+  app.add_option("--relay", w.relay,
+                 "this host's hsdp-relay HOST:PORT or unix:PATH: the schedule "
+                 "and report streams go there (calls still go to "
+                 "--coordinator)")
+      ->envname("HSDP_RELAY");
   app.add_option("--job-id", w.job_id, "job id")->envname("HSDP_JOB_ID");
   app.add_option(
       "--job-token-file", w.job_token_file,
