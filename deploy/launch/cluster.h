@@ -18,13 +18,17 @@ namespace hsdp::launch {
 // The worker flag naming its report file; a restarted worker gets a new one.
 inline constexpr char kReportFileFlag[] = "--report-file";
 
+// Child::rank of the processes that are not workers.
+inline constexpr int kCoordinatorRank = -1;
+inline constexpr int kRelayRank = -2;
+
 struct Child {
   std::string name;
   pid_t pid = -1;
   std::string log;
   bool running = false;
   int exit_status = 0;  // raw waitpid status once exited
-  // The worker's rank hint; -1 for the coordinator.
+  // The worker's rank hint; kCoordinatorRank or kRelayRank for the others.
   int rank = -1;
   // Its command line (restarts run it again).
   std::vector<std::string> argv;

@@ -134,7 +134,8 @@ std::vector<std::string> CoordinatorArgs(const Options& o,
 std::vector<std::string> WorkerArgs(const Options& o,
                                     const std::string& worker_bin, int port,
                                     int rank, const std::string& run_dir,
-                                    const std::string& report) {
+                                    const std::string& report,
+                                    const std::string& relay) {
   std::vector<std::string> wargs = {worker_bin,
                                     "--coordinator",
                                     absl::StrCat("127.0.0.1:", port),
@@ -148,6 +149,10 @@ std::vector<std::string> WorkerArgs(const Options& o,
                                     "127.0.0.1",
                                     kReportFileFlag,
                                     report};
+  if (!relay.empty()) {
+    wargs.push_back("--relay");
+    wargs.push_back(relay);
+  }
   if (!o.model.empty()) {
     wargs.push_back("--model");
     wargs.push_back(o.model);
@@ -183,7 +188,10 @@ int Run(const Options& o) {
     }
     worker_bin = *user_bin;
   }
-  for (const std::string& b : {coordinator_bin, worker_bin}) {
+  const std::string relay_bin = bin + "/hsdp-relay";
+  std::vector<std::string> needed = {coordinator_bin, worker_bin};
+  if (o.relay) needed.push_back(relay_bin);
+  for (const std::string& b : needed) {
     if (access(b.c_str(), X_OK) != 0) {
       std::cerr << "hsdp-launch: " << b
                 << " not found (build it, or pass --bin-dir)" << std::endl;
@@ -252,6 +260,28 @@ int Run(const Options& o) {
               << std::endl;
   }
 
+  // One relay for the workers of this machine, as one per host on a cluster.
+  std::string relay_address;
+  if (o.relay) {
+    relay_address = absl::StrCat("unix:", run_dir, "/relay.sock");
+    Child relay;
+    relay.name = "relay";
+    relay.log = run_dir + "/relay.log";
+    relay.rank = kRelayRank;
+    auto rpid =
+        Spawn({relay_bin, "--coordinator", absl::StrCat("127.0.0.1:", *port),
+               "--listen", relay_address},
+              relay.log);
+    if (!rpid.ok()) {
+      std::cerr << "hsdp-launch: " << rpid.status().message() << std::endl;
+      return kExitFailure;
+    }
+    relay.pid = *rpid;
+    relay.running = true;
+    cluster.Add(relay);
+    std::cerr << "hsdp-launch: relay on " << relay_address << std::endl;
+  }
+
   // The live incarnation's report file of each rank.
   std::vector<std::string> reports;
   for (int r = 0; r < o.workers; ++r) {
@@ -259,7 +289,7 @@ int Run(const Options& o) {
     fs::remove(report, ec);
     reports.push_back(report);
     const std::vector<std::string> wargs =
-        WorkerArgs(o, worker_bin, *port, r, run_dir, report);
+        WorkerArgs(o, worker_bin, *port, r, run_dir, report, relay_address);
     Child w;
     w.name = absl::StrCat("worker ", r);
     w.log = absl::StrCat(run_dir, "/worker-", r, ".log");
@@ -311,7 +341,14 @@ int Run(const Options& o) {
     }
     for (const size_t index : cluster.Reap()) {
       Child& c = cluster.children()[index];
-      if (c.rank < 0) {
+      if (c.rank == kRelayRank) {
+        // Only the streams went through it: the workers go on by call.
+        std::cerr << progress.LineStart() << "hsdp-launch: the relay exited ("
+                  << DescribeExit(c.exit_status) << "): " << LastLine(c.log)
+                  << "; the workers go on without it" << std::endl;
+        continue;
+      }
+      if (c.rank == kCoordinatorRank) {
         return fail_job(absl::StrCat("coordinator exited while workers run (",
                                      DescribeExit(c.exit_status),
                                      "): ", LastLine(c.log)));

@@ -32,6 +32,10 @@ std::optional<int> ParseOptions(int argc, char** argv, Options& o) {
   app.add_option("--control-token-file", o.control_token_file,
                  "bearer token hsdpctl and the dashboard's policy form need");
   app.add_option("--job-id", o.job_id, "job id");
+  app.add_flag("--relay", o.relay,
+               "run one hsdp-relay beside the workers and send their schedule "
+               "and report streams through it, as one relay per host does "
+               "on a cluster");
   app.add_option("--run-dir", o.run_dir,
                  "logs, reports and coordinator state (default: a temp dir)");
   app.add_option("--bin-dir", o.bin_dir,

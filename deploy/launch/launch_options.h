@@ -35,6 +35,8 @@ struct Options {
   std::string worker_binary;
   // Restarts of dead workers in all; 0: the first failure stops the job.
   int max_restarts = kDefaultMaxRestarts;
+  // Run one hsdp-relay and send the workers' streams through it.
+  bool relay = false;
   std::vector<std::string> worker_args;
 };
 

@@ -186,6 +186,68 @@ TEST(LaunchE2eTest, AKilledWorkerIsRestartedHealedAndTheJobFinishes) {
   ExpectExactLedger(reports, kLaunchSteps, kGlobalMicrobatches, killed_index);
 }
 
+// `hsdp-launch --relay`: the workers' streams go through one hsdp-relay and
+// the losses are bitwise those of the same job without it; the relay killed
+// mid-run leaves the workers going on by call to the end, losses unchanged.
+TEST(LaunchE2eTest, ARelayCarriesTheStreamsAndChangesNoNumberEvenWhenItDies) {
+  constexpr int64_t kSteps = 30;
+  Cluster scratch("launch-relay");
+  auto losses = [](const std::string& run_dir) {
+    std::vector<std::vector<StepRecord>> per_rank;
+    for (int r = 0; r < 4; ++r) {
+      per_rank.push_back(
+          ReadReport(absl::StrCat(run_dir, "/worker-", r, ".jsonl")));
+    }
+    return per_rank;
+  };
+  const std::string plain_dir = scratch.dir() + "/plain";
+  Proc plain =
+      Spawn(LaunchArgv(plain_dir, {}, kSteps), scratch.dir() + "/plain.log");
+  ASSERT_EQ(Wait(plain, kLaunchTimeout), 0)
+      << ReadFile(scratch.dir() + "/plain.log");
+  const std::vector<std::vector<StepRecord>> base = losses(plain_dir);
+
+  const std::string relay_dir = scratch.dir() + "/relay";
+  const std::string log = scratch.dir() + "/relay-launch.log";
+  Proc launch = Spawn(LaunchArgv(relay_dir, {"--relay"}, kSteps), log);
+  ASSERT_EQ(Wait(launch, kLaunchTimeout), 0) << ReadFile(log);
+  EXPECT_NE(ReadFile(log).find("hsdp-launch: relay on unix:"),
+            std::string::npos)
+      << ReadFile(log);
+  // The relay says what it carried when it stops (at the end of the job).
+  const std::string relay_log = ReadFile(relay_dir + "/relay.log");
+  EXPECT_NE(relay_log.find("local schedule streams over 1 upstream"),
+            std::string::npos)
+      << relay_log;
+  std::vector<std::string> reports;
+  for (int r = 0; r < 4; ++r) {
+    reports.push_back(absl::StrCat(relay_dir, "/worker-", r, ".jsonl"));
+  }
+  ExpectSameLosses(reports, base, kSteps);
+
+  // The relay dies after step 10: the job finishes, same numbers.
+  const std::string killed_dir = scratch.dir() + "/relay-killed";
+  const std::string killed_log = scratch.dir() + "/relay-killed.log";
+  Proc again = Spawn(LaunchArgv(killed_dir, {"--relay"}, kSteps), killed_log);
+  const auto deadline = Clock::now() + std::chrono::seconds(60);
+  while (StepsReported(killed_dir + "/worker-0.jsonl") < 10 &&
+         Clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  const pid_t relay = ChildWith(again.pid, "hsdp-relay --coordinator");
+  ASSERT_GT(relay, 0) << ReadFile(killed_log);
+  kill(relay, SIGKILL);
+  ASSERT_EQ(Wait(again, kLaunchTimeout), 0) << ReadFile(killed_log);
+  EXPECT_NE(ReadFile(killed_log).find("the relay exited (killed by signal 9)"),
+            std::string::npos)
+      << ReadFile(killed_log);
+  reports.clear();
+  for (int r = 0; r < 4; ++r) {
+    reports.push_back(absl::StrCat(killed_dir, "/worker-", r, ".jsonl"));
+  }
+  ExpectSameLosses(reports, base, kSteps);
+}
+
 TEST(LaunchE2eTest, MaxRestartsZeroStopsAtTheFirstFailure) {
   Cluster scratch("launch-fail-fast");
   const std::string run_dir = scratch.dir() + "/run";
