@@ -97,6 +97,8 @@ struct Options {
   std::string reports = "stream";
   // Empty: as workers vote (stream where both streams are used, else unary).
   std::string votes;
+  // > 0: simulated host relays, each carrying this many ranks' streams.
+  int ranks_per_relay = 0;
   int push_ahead = hsdp::coordinator::kDefaultPushAhead;
 };
 
@@ -237,12 +239,15 @@ void AtomicMax(std::atomic<int64_t>& a, int64_t v) {
 // completion queue. Thread-compatible: used by the one thread that owns it.
 class ClientShard {
  public:
+  // `ranks_per_relay` > 0: each run of that many consecutive ranks is one
+  // host whose relay holds the streams and sends their messages together.
   ClientShard(const std::string& address, std::vector<int> ranks, int channels,
               int shard_index, bool stream, bool stream_reports,
-              std::string votes)
+              std::string votes, int ranks_per_relay)
       : stream_(stream),
         stream_reports_(stream_reports),
         votes_(std::move(votes)),
+        group_(std::max(1, ranks_per_relay)),
         workers_(ranks.size()) {
     for (size_t i = 0; i < ranks.size(); ++i) workers_[i].rank = ranks[i];
     for (int c = 0; c < channels; ++c) {
@@ -283,7 +288,7 @@ class ClientShard {
       workers_[i].generation = response.generation();
     }
     if (stream_reports_) {
-      for (size_t i = 0; i < workers_.size(); ++i) {
+      for (size_t i = 0; i < workers_.size(); i += group_) {
         Worker& w = workers_[i];
         w.report_stream_context = std::make_unique<grpc::ClientContext>();
         w.report_writer = Stub(i).AsyncStreamReports(
@@ -291,13 +296,13 @@ class ClientShard {
             Tag(i, kReportStreamStarted));
       }
       // A stream takes writes once it started.
-      pending_started_ = workers_.size();
+      pending_started_ = Hosts();
       while (pending_started_ > 0) {
         if (!Pump()) return false;
       }
     }
     if (!stream_) return true;
-    for (size_t i = 0; i < workers_.size(); ++i) {
+    for (size_t i = 0; i < workers_.size(); i += group_) {
       Worker& w = workers_[i];
       w.stream_context = std::make_unique<grpc::ClientContext>();
       hsdp::v1::WatchSchedulesRequest request;
@@ -322,7 +327,7 @@ class ClientShard {
       w.needed_step = step;
       if (!stream_) {
         StartFetch(i, step);
-      } else if (w.received.count(step) > 0) {
+      } else if (workers_[Leader(i)].received.count(step) > 0) {
         w.held = need;  // pushed before it was needed
         --pending;
       }
@@ -338,14 +343,14 @@ class ClientShard {
     }
     if (votes_ != "none") {
       // Each vote returns once every rank voted: the commit round.
-      pending_votes_ = workers_.size();
-      for (size_t i = 0; i < workers_.size(); ++i) StartVote(i, step);
+      pending_votes_ = Hosts();
+      for (size_t i = 0; i < workers_.size(); i += group_) StartVote(i, step);
       while (pending_votes_ > 0) {
         if (!Pump()) return false;
       }
     }
-    pending_reports_ = workers_.size();
-    for (size_t i = 0; i < workers_.size(); ++i) StartReport(i, step);
+    pending_reports_ = Hosts();
+    for (size_t i = 0; i < workers_.size(); i += group_) StartReport(i, step);
     while (pending_reports_ > 0) {
       if (!Pump()) return false;
     }
@@ -474,6 +479,11 @@ class ClientShard {
     return reinterpret_cast<void*>((worker << kTagBits) | kind);
   }
 
+  // The worker whose streams carry worker `i`'s messages (itself without
+  // relays), and how many such workers (hosts) there are.
+  size_t Leader(size_t i) const { return i - i % group_; }
+  size_t Hosts() const { return (workers_.size() + group_ - 1) / group_; }
+
   CoordinatorService::Stub& Stub(size_t worker) {
     return *stubs_[worker % stubs_.size()];
   }
@@ -495,20 +505,34 @@ class ClientShard {
     w.fetch->Finish(&w.fetched, &w.fetch_status, Tag(i, kFetched));
   }
 
-  void StartReport(size_t i, int64_t step) {
-    Worker& w = workers_[i];
+  hsdp::v1::ReportStepRequest MakeReport(size_t i, int64_t step) const {
     hsdp::v1::ReportStepRequest request;
     request.set_job_id(kJob);
     hsdp::v1::StepReport* report = request.mutable_report();
-    report->set_rank(w.rank);
+    report->set_rank(workers_[i].rank);
     report->set_step(step);
     report->set_loss(2.0);
     report->set_step_seconds(0.5);
     report->set_peak_memory_bytes(int64_t{8} << 30);
+    return request;
+  }
+
+  // The ranks after `leader` on its host (none without relays).
+  size_t RelayedEnd(size_t leader) const {
+    return std::min(workers_.size(), leader + group_);
+  }
+
+  // Worker `i`'s report; with relays, its host's reports in one message.
+  void StartReport(size_t i, int64_t step) {
+    Worker& w = workers_[i];
+    hsdp::v1::ReportStepRequest request = MakeReport(i, step);
     if (stream_reports_) {
       w.report_status = grpc::Status::OK;
       hsdp::v1::StreamReportsRequest message;
       *message.mutable_report() = std::move(request);
+      for (size_t j = i + 1; j < RelayedEnd(i); ++j) {
+        *message.add_relayed()->mutable_report() = MakeReport(j, step);
+      }
       w.report_writer->Write(message, Tag(i, kReported));
       return;
     }
@@ -517,19 +541,28 @@ class ClientShard {
     w.report->Finish(&w.reported, &w.report_status, Tag(i, kReported));
   }
 
-  void StartVote(size_t i, int64_t step) {
-    Worker& w = workers_[i];
+  hsdp::v1::CommitStepRequest MakeVote(size_t i, int64_t step) const {
     hsdp::v1::CommitStepRequest request;
     request.set_job_id(kJob);
-    request.set_worker_id(w.worker_id);
-    request.set_generation(w.generation);
+    request.set_worker_id(workers_[i].worker_id);
+    request.set_generation(workers_[i].generation);
     request.set_step(step);
+    return request;
+  }
+
+  // Worker `i`'s vote; with relays, its host's votes in one message.
+  void StartVote(size_t i, int64_t step) {
+    Worker& w = workers_[i];
+    hsdp::v1::CommitStepRequest request = MakeVote(i, step);
     w.voted_step = step;
     if (votes_ == "stream") {
       w.vote_written = false;
       w.vote_answered = w.committed_step >= step;
       hsdp::v1::StreamReportsRequest message;
       *message.mutable_vote() = std::move(request);
+      for (size_t j = i + 1; j < RelayedEnd(i); ++j) {
+        *message.add_relayed()->mutable_vote() = MakeVote(j, step);
+      }
       w.report_writer->Write(message, Tag(i, kVoteWritten));
       return;
     }
@@ -604,12 +637,16 @@ class ClientShard {
         if (w.incoming.schedule().empty()) return Fail("empty schedule pushed");
         w.received[step] = now;
         w.reader->Read(&w.incoming, Tag(i, kStreamRead));
-        if (step == w.needed_step && w.held < w.need) {
-          w.held = now;
-          if (paced_times_ != nullptr && w.busy) {
-            HeldPaced(i);
-          } else {
-            --pending_held_;
+        // With relays the host's relay hands the step to each of its ranks.
+        for (size_t j = i; j < RelayedEnd(i); ++j) {
+          Worker& r = workers_[j];
+          if (step == r.needed_step && r.held < r.need) {
+            r.held = now;
+            if (paced_times_ != nullptr && r.busy) {
+              HeldPaced(j);
+            } else {
+              --pending_held_;
+            }
           }
         }
         return true;
@@ -664,6 +701,7 @@ class ClientShard {
   const bool stream_;
   const bool stream_reports_;
   const std::string votes_;
+  const size_t group_;
   std::vector<Worker> workers_;
   std::vector<std::unique_ptr<CoordinatorService::Stub>> stubs_;
   grpc::CompletionQueue cq_;
@@ -713,12 +751,19 @@ bool RunOne(const Options& options, int n, Result* result) {
   }
   const int threads = options.client_threads;
   std::vector<std::unique_ptr<ClientShard>> shards;
+  // With relays, whole hosts (consecutive ranks) go to each client thread.
+  const int group = std::max(1, options.ranks_per_relay);
   for (int t = 0; t < threads; ++t) {
     std::vector<int> ranks;
-    for (int r = t; r < n; r += threads) ranks.push_back(r);
+    for (int h = t; h * group < n; h += threads) {
+      for (int r = h * group; r < std::min(n, (h + 1) * group); ++r) {
+        ranks.push_back(r);
+      }
+    }
     shards.push_back(std::make_unique<ClientShard>(
         child.address(), std::move(ranks), options.channels_per_thread, t,
-        stream, options.reports == "stream", options.votes));
+        stream, options.reports == "stream", options.votes,
+        options.ranks_per_relay));
   }
   const int64_t total_steps = kWarmupSteps + options.steps;
   std::vector<StepTimes> times(static_cast<size_t>(total_steps));
@@ -836,6 +881,11 @@ int main(int argc, char** argv) {
                  "and --reports stream), unary (CommitStep per step) or none; "
                  "default: stream where it can, else unary")
       ->check(CLI::IsMember({"stream", "unary", "none"}));
+  app.add_option("--ranks-per-relay", options.ranks_per_relay,
+                 "Burst mode over both streams: simulate one host relay per "
+                 "this many ranks (hsdp-relay: one schedule stream and one "
+                 "report stream per host, the host's reports and votes in one "
+                 "message; default 0: a stream pair per rank)");
   app.add_option("--push-ahead", options.push_ahead,
                  "Stream: steps pushed past the slowest rank's next step");
   app.add_option("--serve", serve, "(internal) run the coordinator child");
@@ -854,15 +904,24 @@ int main(int argc, char** argv) {
                  "stream (the vote goes up one, the commit down the other)\n");
     return 2;
   }
+  if (options.ranks_per_relay > 0 &&
+      (options.paced_step_ms > 0 || options.transport != "stream" ||
+       options.reports != "stream" || options.votes == "unary")) {
+    std::fprintf(stderr,
+                 "--ranks-per-relay needs burst mode, --transport stream, "
+                 "--reports stream and --votes stream or none (a relay "
+                 "carries streams)\n");
+    return 2;
+  }
   options.workers.clear();
   for (absl::string_view w : absl::StrSplit(workers, ',')) {
     options.workers.push_back(std::stoi(std::string(w)));
   }
 
   std::printf(
-      "coordinator_bench: %s, transport %s%s, reports %s, votes %s, %d steps "
-      "(+%d warm-up), %d units, %d client threads x %d channels, %s; the "
-      "coordinator in its own process\n",
+      "coordinator_bench: %s, transport %s%s, reports %s, votes %s%s, %d "
+      "steps (+%d warm-up), %d units, %d client threads x %d channels, %s; "
+      "the coordinator in its own process\n",
       options.paced_step_ms > 0
           ? absl::StrCat("paced mode (step ", options.paced_step_ms, " ms)")
                 .c_str()
@@ -873,8 +932,12 @@ int main(int argc, char** argv) {
       options.transport == "stream"
           ? absl::StrCat(" (push ahead ", options.push_ahead, ")").c_str()
           : "",
-      options.reports.c_str(), options.votes.c_str(), options.steps,
-      kWarmupSteps, options.layers + 1, options.client_threads,
+      options.reports.c_str(), options.votes.c_str(),
+      options.ranks_per_relay > 0
+          ? absl::StrCat(", a relay per ", options.ranks_per_relay, " ranks")
+                .c_str()
+          : "",
+      options.steps, kWarmupSteps, options.layers + 1, options.client_threads,
       options.channels_per_thread,
       options.state_dir.empty() ? "no persistence" : "persistence with fsync");
   std::printf("%7s %10s %10s %10s %10s %10s %12s %9s %12s %12s %8s %7s\n",
