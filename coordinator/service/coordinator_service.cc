@@ -326,10 +326,16 @@ CoordinatorServiceImpl::StreamReports(
 
 absl::Status CoordinatorServiceImpl::RecordStreamed(
     const hsdp::v1::StreamReportsRequest& message) {
-  // One worker's part: its report, then its vote (not counted after a report
-  // that failed, as the worker's next call would not be either).
+  // One worker's part: its report, the end of its stream to a relay, then
+  // its vote (not counted after a report that failed, as the worker's next
+  // call would not be either).
   auto record_one = [this](const hsdp::v1::StreamReportsRequest& one) {
     if (one.has_report()) HSDP_RETURN_IF_ERROR(RecordReport(one.report()));
+    if (one.has_stream_lost()) {
+      const hsdp::v1::ScheduleStreamLost& lost = one.stream_lost();
+      HSDP_RETURN_IF_ERROR(core_.membership->CheckJobId(lost.job_id()));
+      core_.membership->ScheduleStreamLost(lost.worker_id(), lost.generation());
+    }
     if (one.has_vote()) return RecordVote(one.vote());
     return absl::OkStatus();
   };

@@ -212,8 +212,11 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* ScheduleFeed::Subscribe(
         grpc::StatusCode::INVALID_ARGUMENT,
         absl::StrCat("from_step ", request.from_step(), " is negative")));
   }
-  auto* watch = new ScheduleWatch(this, request.worker_id(),
-                                  request.from_step(), generation);
+  // A relay's stream stands for several workers: none is lost when it ends,
+  // and none's refused vote ends it (worker id 0: no one's).
+  auto* watch =
+      new ScheduleWatch(this, request.relay() ? 0 : request.worker_id(),
+                        request.from_step(), generation);
   // The generation's latest commit first: the worker may wait for it.
   const CommitNews news = log_->commit_news();
   if (news.generation == generation.generation) {

@@ -92,7 +92,7 @@ void HostRelay::Stop() {
     absl::MutexLock lock(&mu_);
     if (stop_) return;
     stop_ = true;
-    for (auto& [generation, feed] : feeds_) feeds.push_back(feed);
+    for (auto& [key, feed] : feeds_) feeds.push_back(feed);
     feeds.insert(feeds.end(), retired_.begin(), retired_.end());
     feeds_.clear();
     retired_.clear();
@@ -129,7 +129,7 @@ absl::Status HostRelay::CheckToken(const grpc::ServerContext& context) const {
 
 std::shared_ptr<HostRelay::Feed> HostRelay::FeedForLocked(
     const hsdp::v1::WatchSchedulesRequest& request) {
-  auto it = feeds_.find(request.generation());
+  auto it = feeds_.find({request.job_id(), request.generation()});
   if (it != feeds_.end()) {
     if (!it->second->ended && request.from_step() >= it->second->from_step) {
       return it->second;
@@ -152,9 +152,11 @@ std::shared_ptr<HostRelay::Feed> HostRelay::FeedForLocked(
   auto feed = std::make_shared<Feed>();
   feed->from_step = request.from_step();
   ++stats_.upstream_watches;
+  hsdp::v1::WatchSchedulesRequest upstream = request;
+  upstream.set_relay(true);
   feed->reader =
-      std::thread([this, feed, request] { ReadFeed(feed, request); });
-  feeds_[request.generation()] = feed;
+      std::thread([this, feed, upstream] { ReadFeed(feed, upstream); });
+  feeds_[{request.job_id(), request.generation()}] = feed;
   return feed;
 }
 
@@ -223,7 +225,7 @@ grpc::Status HostRelay::WatchSchedules(
     }
   }
   if (replay.has_value() && !writer->Write(*replay)) {
-    return grpc::Status(grpc::StatusCode::CANCELLED, "the worker went away");
+    return WorkerWentAway(*request);
   }
   while (true) {
     std::vector<hsdp::v1::WatchSchedulesResponse> out;
@@ -252,17 +254,25 @@ grpc::Status HostRelay::WatchSchedules(
       cursor = feed->log_base + feed->log.size();
       if (out.empty() && feed->ended) end = feed->end_status;
     }
-    if (context->IsCancelled()) {
-      return grpc::Status(grpc::StatusCode::CANCELLED, "the worker went away");
-    }
+    if (context->IsCancelled()) return WorkerWentAway(*request);
     for (const hsdp::v1::WatchSchedulesResponse& m : out) {
-      if (!writer->Write(m)) {
-        return grpc::Status(grpc::StatusCode::CANCELLED,
-                            "the worker went away");
-      }
+      if (!writer->Write(m)) return WorkerWentAway(*request);
     }
     if (end.has_value()) return *end;
   }
+}
+
+grpc::Status HostRelay::WorkerWentAway(
+    const hsdp::v1::WatchSchedulesRequest& request) {
+  // The coordinator would have seen this end on a stream of its own: tell it,
+  // so an ending generation does not wait for a worker that is gone.
+  hsdp::v1::StreamReportsRequest lost;
+  lost.mutable_stream_lost()->set_job_id(request.job_id());
+  lost.mutable_stream_lost()->set_worker_id(request.worker_id());
+  lost.mutable_stream_lost()->set_generation(request.generation());
+  absl::MutexLock lock(&mu_);
+  if (!stop_) queue_.push_back(Queued{std::move(lost), nullptr});
+  return grpc::Status(grpc::StatusCode::CANCELLED, "the worker went away");
 }
 
 // ---- Reports and votes up ---------------------------------------------------

@@ -23,7 +23,12 @@
 // that ended (its status goes to every local stream of it). One worker's
 // refused message ends the host's upstream report stream, so the relay then
 // ends every local stream (each worker falls back once and reopens); messages
-// of the others that were in the same batch are recorded all the same. A
+// of the others that were in the same batch are recorded all the same. The
+// relay's upstream schedule stream stands for no worker in particular
+// (WatchSchedulesRequest.relay); when a worker's own stream to the relay ends
+// from its side (its process died), the relay says so upstream
+// (StreamReportsRequest.stream_lost), so an ending generation does not wait
+// for that worker, as it would not without a relay. A
 // local stream that closes its side returns once the coordinator recorded
 // everything it sent (the relay closes its upstream report stream to learn
 // it, and opens a new one for later messages).
@@ -43,6 +48,7 @@
 #include <set>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -107,6 +113,10 @@ class HostRelay final : public hsdp::v1::CoordinatorService::Service {
   std::shared_ptr<Feed> FeedForLocked(
       const hsdp::v1::WatchSchedulesRequest& request)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A local schedule stream ended from the worker's side: queues the report
+  // of it for the coordinator; returns the stream's status.
+  grpc::Status WorkerWentAway(const hsdp::v1::WatchSchedulesRequest& request)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Reads one feed's upstream stream until it ends.
   void ReadFeed(std::shared_ptr<Feed> feed,
                 hsdp::v1::WatchSchedulesRequest request);
@@ -131,7 +141,9 @@ class HostRelay final : public hsdp::v1::CoordinatorService::Service {
 
   mutable absl::Mutex mu_;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
-  std::map<int64_t, std::shared_ptr<Feed>> feeds_ ABSL_GUARDED_BY(mu_);
+  // By job and generation.
+  std::map<std::pair<std::string, int64_t>, std::shared_ptr<Feed>> feeds_
+      ABSL_GUARDED_BY(mu_);
   // Feeds replaced or ended, whose reader threads Stop joins.
   std::vector<std::shared_ptr<Feed>> retired_ ABSL_GUARDED_BY(mu_);
   std::deque<Queued> queue_ ABSL_GUARDED_BY(mu_);

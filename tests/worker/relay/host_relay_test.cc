@@ -34,12 +34,14 @@ int Votes(const std::string& metrics, const std::string& via) {
 
 class HostRelayTest : public ::testing::Test {
  protected:
-  void StartCoordinator(const std::string& job_token = "") {
+  void StartCoordinator(const std::string& job_token = "",
+                        absl::Duration window = absl::Seconds(5)) {
     coordinator::JobConfig job;
     job.job_id = kJob;
     job.world_size = 2;
     job.mesh = MeshShape{2, 1};
-    job.heartbeat_timeout = absl::Seconds(5);
+    job.heartbeat_timeout = window;
+    job.reform_window = window;
     job.join_wait = absl::Seconds(30);
     coordinator::ServerOptions options;
     options.job_token = job_token;
@@ -252,6 +254,34 @@ TEST_F(HostRelayTest, WorkersCarryOnByCallWhenTheRelayStops) {
   EXPECT_EQ(coordinator_->membership().last_committed_step(), 2);
   EXPECT_EQ(Votes(metrics, "stream"), 2) << metrics;
   EXPECT_EQ(Votes(metrics, "call"), 4) << metrics;
+}
+
+// A worker whose process dies: its stream to the relay ends, the relay says
+// so upstream, and when the generation ends the next one forms without
+// waiting for it, as it would without a relay (the heartbeat timeout and the
+// re-form window are 30 s here).
+TEST_F(HostRelayTest,
+       AWorkerGoneFromTheRelayIsNotWaitedForByTheNextGeneration) {
+  StartCoordinator("", absl::Seconds(30));
+  StartRelay();
+  auto a = MakeAgent(0);
+  auto b = MakeAgent(1);
+  ASSERT_TRUE(a->Join().ok());
+  ASSERT_TRUE(b->Join().ok());
+  Step(*a, *b, 0);
+  if (HasFatalFailure()) return;
+  b.reset();  // its streams close, as a dead process's do
+  const absl::Time start = absl::Now();
+  absl::StatusOr<bool> ended = a->ReportFailure(1, "AllGather failed");
+  ASSERT_TRUE(ended.ok()) << ended.status();
+  absl::StatusOr<hsdp::v1::AwaitGenerationResponse> next;
+  do {
+    next = a->AwaitGeneration(0, absl::Seconds(20));
+  } while (next.ok() && next->outcome() == hsdp::v1::AWAIT_OUTCOME_ENDED);
+  ASSERT_TRUE(next.ok()) << next.status();
+  EXPECT_EQ(next->outcome(), hsdp::v1::AWAIT_OUTCOME_FORMED);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+  EXPECT_EQ(next->generation().worker_ids_size(), 1);
 }
 
 // With a job token, a local stream must carry it as a call to the coordinator
