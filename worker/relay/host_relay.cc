@@ -149,6 +149,17 @@ std::shared_ptr<HostRelay::Feed> HostRelay::FeedForLocked(
       ++i;
     }
   }
+  // A retired feed that ended has a finished reader (`ended` is the last
+  // thing it sets under mu_): join it now rather than keep its thread until
+  // Stop.
+  for (auto i = retired_.begin(); i != retired_.end();) {
+    if ((*i)->ended) {
+      if ((*i)->reader.joinable()) (*i)->reader.join();
+      i = retired_.erase(i);
+    } else {
+      ++i;
+    }
+  }
   auto feed = std::make_shared<Feed>();
   feed->from_step = request.from_step();
   ++stats_.upstream_watches;
