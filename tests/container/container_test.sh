@@ -4,7 +4,7 @@
 #      host's ccache), unless HSDP_CONTAINER_IMAGE names an image to test instead;
 #   2. checks what is in it: runs as uid/gid 10001 (image config and at run time); no compiler,
 #      assembler, linker, build tool or C/C++ header; no -dev package; no source tree or control
-#      token; every library the three binaries link resolves, and each answers --help;
+#      token; every library the four binaries link resolves, and each answers --help;
 #   3. runs the coordinator and 2 workers as containers on a podman network (workers find the
 #      coordinator and each other by container name; Gloo over TCP between containers);
 #   4. changes the policy with hsdpctl from the host through the published gRPC port, and checks
@@ -89,9 +89,9 @@ dev="$(run_in sh -c "dpkg-query -W -f '\${Package}\n' | grep -E -- '-dev(:|\$)' 
 extra="$(run_in sh -c 'ls -d /src /build /runtime 2>/dev/null; find / -xdev -name token.txt 2>/dev/null')" || true
 [ -z "$extra" ] || fail "build leftovers in the image: $extra"
 missing="$(run_in sh -c 'ldd /usr/local/bin/hsdp-coordinator /usr/local/bin/hsdp-worker \
-  /usr/local/bin/hsdpctl | grep "not found" || true')"
+  /usr/local/bin/hsdpctl /usr/local/bin/hsdp-relay | grep "not found" || true')"
 [ -z "$missing" ] || fail "unresolved libraries: $missing"
-for b in hsdp-coordinator hsdp-worker hsdpctl; do
+for b in hsdp-coordinator hsdp-worker hsdpctl hsdp-relay; do
   run_in "$b" --help >/dev/null || fail "$b --help failed in the image"
 done
 log "contents: no compiler/linker/build tool/headers/-dev package/sources; binaries resolve"

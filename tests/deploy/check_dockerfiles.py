@@ -9,7 +9,7 @@ What is checked: every COPY/ADD source from the build context exists and is not 
 .dockerignore; every --from and FROM names an earlier stage (or an image); scripts the RUN lines
 call exist; the build stages run deploy/install-deps.sh and the README's cmake commands; the final
 stage runs as the numeric non-root user the Kubernetes manifests expect, installs no development
-packages and ships the three binaries the manifests run.
+packages and ships the four binaries the manifests run.
 """
 
 import fnmatch
@@ -23,7 +23,7 @@ import manifests as m
 
 DOCKER_DIR = os.path.join(m.REPO, "deploy", "docker")
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "docker")
-BINARIES = ("hsdp-coordinator", "hsdp-worker", "hsdpctl")
+BINARIES = ("hsdp-coordinator", "hsdp-worker", "hsdpctl", "hsdp-relay")
 # Packages that only a build needs.
 BUILD_ONLY_RE = re.compile(r"(-dev$|^build-essential$|^cmake$|^ninja-build$|^g\+\+|^gcc$|"
                            r"^clang|^ccache$|^git$)")

@@ -31,6 +31,7 @@ import manifests as m
 NAMESPACE = "hsdp"
 COORDINATOR = "hsdp-coordinator"
 WORKER = "hsdp-worker"
+RELAY = "hsdp-relay"
 SERVICE_ACCOUNT = "hsdp"
 MESH_RE = re.compile(r"^(\d+)x(\d+)$")
 
@@ -49,7 +50,8 @@ class Checker:
 
     # --- lookups -------------------------------------------------------------------------
     def workloads(self):
-        return [o for o in self.objs if o.get("kind") in ("Deployment", "StatefulSet")]
+        return [o for o in self.objs
+                if o.get("kind") in ("Deployment", "StatefulSet", "DaemonSet")]
 
     def configmap_data(self, name):
         cm = m.one(self.objs, "ConfigMap", name=name)
@@ -477,11 +479,62 @@ class Checker:
             self.fail("the job token is the control token's Secret: workers would hold the "
                       "operator's credential")
 
+    def check_relay(self):
+        """With a relay per node (components/relay): the workers reach the relay of their own node,
+        the relay reaches the coordinator as they do, with their job token, and is let in."""
+        relay = m.one(self.objs, "DaemonSet", name=RELAY)
+        sts = m.one(self.objs, "StatefulSet", name=WORKER)
+        if sts is None:
+            return
+        worker_env = self.resolved_env(m.containers(sts)[0])
+        address = worker_env.get("HSDP_RELAY")
+        if relay is None:
+            if address:
+                self.fail(f"workers set HSDP_RELAY={address} but no DaemonSet/{RELAY} runs")
+            return
+        if not address:
+            self.fail(f"DaemonSet/{RELAY} runs but the workers set no HSDP_RELAY")
+            return
+        host, _, port = address.rpartition(":")
+        svc = m.one(self.objs, "Service", name=host)
+        if svc is None or relay not in self.selected(svc["spec"].get("selector") or {}):
+            self.fail(f"HSDP_RELAY {address!r} does not name a Service that selects the relay")
+        else:
+            if svc["spec"].get("internalTrafficPolicy") != "Local":
+                self.fail(f"Service/{host} (HSDP_RELAY) is not node-local "
+                          f"(internalTrafficPolicy: Local): workers would reach other nodes' "
+                          f"relays")
+            svc_ports = {str(p.get("port")): p for p in svc["spec"].get("ports") or []}
+            c = m.containers(relay)[0]
+            listen = next((a.split("=", 1)[1] for a in c.get("args") or []
+                           if a.startswith("--listen=")), "")
+            cport = (self.container_ports(relay).get(svc_ports[port].get("targetPort"))
+                     if port in svc_ports else None)
+            if cport is None or str(cport["containerPort"]) != listen.rsplit(":", 1)[-1]:
+                self.fail(f"HSDP_RELAY {address} reaches no port the relay listens on "
+                          f"(--listen={listen})")
+        relay_env = self.resolved_env(m.containers(relay)[0])
+        if relay_env.get("HSDP_COORDINATOR") != worker_env.get("HSDP_COORDINATOR"):
+            self.fail(f"the relay's HSDP_COORDINATOR {relay_env.get('HSDP_COORDINATOR')!r} is not "
+                      f"the workers' {worker_env.get('HSDP_COORDINATOR')!r}")
+        relay_token = self.secret_file(relay, relay_env.get("HSDP_JOB_TOKEN_FILE"))
+        worker_token = self.secret_file(sts, worker_env.get("HSDP_JOB_TOKEN_FILE"))
+        if relay_token != worker_token:
+            self.fail(f"the relay reads the job token from {relay_token}, the workers from "
+                      f"{worker_token}: they must share one Secret key")
+        for np in m.find(self.objs, "NetworkPolicy"):
+            admitted = any(
+                relay in self.selected((peer.get("podSelector") or {}).get("matchLabels"))
+                for rule in np.get("spec", {}).get("ingress") or []
+                for peer in rule.get("from") or [] if "namespaceSelector" not in peer)
+            if not admitted:
+                self.fail(f"NetworkPolicy/{m.name_of(np)} does not admit the relay pods")
+
     def run(self, overlay_kind):
         for check in (self.check_inventory, self.check_selectors, self.check_services,
                       self.check_statefulset, self.check_probes, self.check_policies,
                       self.check_service_account, self.check_volumes, self.check_env_and_flags,
-                      self.check_coordinator, self.check_job):
+                      self.check_coordinator, self.check_job, self.check_relay):
             check()
         self.check_worker(overlay_kind)
         return list(dict.fromkeys(self.problems))  # a helper may report one problem twice
@@ -496,7 +549,8 @@ def allowed_names(args):
     allowed = {}
     notes = []
     for binary, path in (("hsdp-coordinator", args.coordinator_bin),
-                         ("hsdp-worker", args.worker_bin)):
+                         ("hsdp-worker", args.worker_bin),
+                         ("hsdp-relay", getattr(args, "relay_bin", None))):
         entry = {"flags": set(contract.CONTRACT[binary]["flags"]),
                  "env": set(contract.CONTRACT[binary]["env"]) | contract.AMBIENT_ENV[binary],
                  "source": "contract.CONTRACT"}
@@ -643,11 +697,26 @@ GPU_MUTATIONS = [
      lambda o: [v.update(emptyDir={}) for v in m.pod_spec(m.one(o, "StatefulSet", name=WORKER))
                 ["volumes"] if v["name"] == "dshm"],
      "/dev/shm is not a memory-backed emptyDir"),
+    # The gpu overlay runs a relay per node (components/relay).
+    ("relay Service not node-local",
+     lambda o: m.one(o, "Service", name=RELAY)["spec"].pop("internalTrafficPolicy"),
+     "is not node-local"),
+    ("coordinator NetworkPolicy without the relay pods",
+     lambda o: m.one(o, "NetworkPolicy", name=COORDINATOR)["spec"]["ingress"][0]["from"].pop(),
+     "does not admit the relay pods"),
+    ("relay on another job token",
+     lambda o: m.pod_spec(m.one(o, "DaemonSet", name=RELAY))["volumes"][0]["secret"].update(
+         secretName=m.one(o, "Secret", stem=m.TOKEN_SECRET)["metadata"]["name"]),
+     "they must share one Secret key"),
+    ("workers told of a relay Service that does not exist",
+     lambda o: _env(o, "StatefulSet", WORKER, "HSDP_RELAY").update(value="relay:50052"),
+     "does not name a Service that selects the relay"),
 ]
 
 
 def cmd_selftest(args):
-    allowed, _ = allowed_names(argparse.Namespace(coordinator_bin=None, worker_bin=None))
+    allowed, _ = allowed_names(
+        argparse.Namespace(coordinator_bin=None, worker_bin=None, relay_bin=None))
     base_objs = m.load(args.rendered)
     clean = Checker("clean", copy.deepcopy(base_objs), allowed).run(overlay_kind(args.rendered))
     mutations = MUTATIONS + (GPU_MUTATIONS if overlay_kind(args.rendered) == "gpu" else [])
@@ -718,6 +787,7 @@ def main(argv):
     c.add_argument("rendered", nargs="+")
     c.add_argument("--coordinator-bin")
     c.add_argument("--worker-bin")
+    c.add_argument("--relay-bin")
     s = sub.add_parser("selftest")
     s.add_argument("rendered")
     pol = sub.add_parser("policy")

@@ -28,7 +28,7 @@ CONTRACT = {
         "flags": {
             "coordinator", "job-id", "rank-hint", "device", "model", "dims", "data", "steps",
             "microbatch-size", "lr", "checkpoint-dir", "threads", "gloo-iface", "gloo-hostname",
-            "host-id",
+            "host-id", "relay",
             "collective-timeout", "seed", "report-file", "help",
             # In hsdp-worker --help though not in the table.
             "coordinator-timeout",
@@ -37,17 +37,30 @@ CONTRACT = {
             "HSDP_COORDINATOR", "HSDP_JOB_ID", "HSDP_RANK_HINT", "HSDP_DEVICE", "HSDP_MODEL",
             "HSDP_DATA", "HSDP_STEPS", "HSDP_MICROBATCH_SIZE", "HSDP_LR", "HSDP_CHECKPOINT_DIR",
             "HSDP_THREADS", "HSDP_GLOO_IFACE", "HSDP_GLOO_HOSTNAME", "HSDP_HOST_ID",
+            "HSDP_RELAY",
+        },
+    },
+    "hsdp-relay": {
+        "flags": {
+            "coordinator", "listen", "job-token-file", "tls-ca", "tls-client-cert",
+            "tls-client-key", "keep-messages", "help",
+        },
+        "env": {
+            "HSDP_COORDINATOR", "HSDP_RELAY", "HSDP_TLS_CA", "HSDP_TLS_CLIENT_CERT",
+            "HSDP_TLS_CLIENT_KEY",
         },
     },
 }
 
 # Variables a binary reads by itself rather than as an option's env fallback, so `--help` does not
 # list them: the worker's rank-hint fallbacks (torchrun's RANK, a StatefulSet pod's name), and the
-# job token, which the coordinator and the worker's agent (worker/agent) read from the environment
-# (a file, HSDP_JOB_TOKEN_FILE, or the value, HSDP_JOB_TOKEN) so it never appears on argv.
+# job token, which the coordinator, the worker's agent (worker/agent) and the relay read from the
+# environment (a file, HSDP_JOB_TOKEN_FILE, or the value, HSDP_JOB_TOKEN) so it never appears on
+# argv.
 AMBIENT_ENV = {
     "hsdp-coordinator": {"HSDP_JOB_TOKEN"},
     "hsdp-worker": {"RANK", "POD_NAME", "HOSTNAME", "HSDP_JOB_TOKEN_FILE", "HSDP_JOB_TOKEN"},
+    "hsdp-relay": {"HSDP_JOB_TOKEN_FILE", "HSDP_JOB_TOKEN"},
 }
 
 # Defaults the contract states that the checks rely on.
