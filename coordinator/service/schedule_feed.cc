@@ -67,6 +67,12 @@ class ScheduleWatch final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
         next_step_(from_step),
         generation_(generation) {}
 
+  // gRPC runs OnDone (whose Unref may delete this) after every other
+  // reaction, but orders them through its own uninstrumented synchronization:
+  // taking the mutex that guarded the last writes makes that order visible to
+  // ThreadSanitizer before the members go.
+  ~ScheduleWatch() override { absl::MutexLock lock(&mu_); }
+
   const GenerationContext& generation() const { return generation_; }
 
   // The next step this stream waits for; only under the feed's mutex.
