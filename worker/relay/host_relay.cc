@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "common/status_util.h"
 #include "common/token.h"
 
 namespace hsdp::relay {
@@ -13,6 +14,11 @@ namespace {
 
 // How often a waiting local stream looks whether its worker went away.
 constexpr absl::Duration kPoll = absl::Milliseconds(100);
+// How long the upstream report stream may stay idle before an empty message
+// probes it: the synchronous client learns that the coordinator ended the
+// stream (a refused message) only when it writes, and a worker may be waiting
+// for a commit its refused vote will never bring.
+constexpr absl::Duration kProbeInterval = absl::Seconds(1);
 // The coordinator's report-stream marker: "2" counts votes, "3" takes
 // relayed messages. Local workers send no relayed messages, so they are
 // told at most "2".
@@ -335,17 +341,23 @@ absl::Status HostRelay::WriteLocked(
     messages = std::move(batch);  // an older coordinator: one each
   }
   for (const hsdp::v1::StreamReportsRequest& m : messages) {
-    if (!up_writer_->Write(m)) {
-      absl::Status s = CloseUpstreamLocked(/*writes_done=*/false);
-      return s.ok() ? absl::UnavailableError(
-                          "the coordinator's report stream ended")
-                    : s;
-    }
+    HSDP_RETURN_IF_ERROR(WriteOneLocked(m));
   }
   absl::MutexLock lock(&mu_);
   stats_.upstream_messages += static_cast<int64_t>(messages.size());
   stats_.relayed += static_cast<int64_t>(relayed);
   return absl::OkStatus();
+}
+
+absl::Status HostRelay::WriteOneLocked(
+    const hsdp::v1::StreamReportsRequest& message) {
+  if (up_writer_ == nullptr || up_writer_->Write(message)) {
+    return absl::OkStatus();
+  }
+  absl::Status s = CloseUpstreamLocked(/*writes_done=*/false);
+  return s.ok()
+             ? absl::UnavailableError("the coordinator's report stream ended")
+             : s;
 }
 
 void HostRelay::FailLocals(const absl::Status& why) {
@@ -362,12 +374,13 @@ void HostRelay::RunUplink() {
   while (true) {
     std::vector<hsdp::v1::StreamReportsRequest> batch;
     std::shared_ptr<Barrier> barrier;
+    bool idle = false;
     {
       absl::MutexLock lock(&mu_);
       auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
         return stop_ || !queue_.empty();
       };
-      mu_.Await(absl::Condition(&ready));
+      idle = !mu_.AwaitWithTimeout(absl::Condition(&ready), kProbeInterval);
       // What was queued before Stop still goes up.
       if (stop_ && queue_.empty()) break;
       // Everything queued while the last write was in flight goes together,
@@ -389,7 +402,13 @@ void HostRelay::RunUplink() {
     absl::Status closed;
     {
       absl::MutexLock up(&up_mu_);
-      if (!batch.empty()) failed = WriteLocked(std::move(batch));
+      if (!batch.empty()) {
+        failed = WriteLocked(std::move(batch));
+      } else if (idle) {
+        // An empty message records nothing; written to a stream the
+        // coordinator ended, it fails and says why.
+        failed = WriteOneLocked(hsdp::v1::StreamReportsRequest());
+      }
       if (barrier != nullptr)
         closed = CloseUpstreamLocked(/*writes_done=*/true);
     }

@@ -31,7 +31,9 @@
 // for that worker, as it would not without a relay. A
 // local stream that closes its side returns once the coordinator recorded
 // everything it sent (the relay closes its upstream report stream to learn
-// it, and opens a new one for later messages).
+// it, and opens a new one for later messages). An idle upstream report
+// stream is probed with an empty message every second, so a refusal that
+// ended it reaches the local streams even when no other message follows.
 //
 // Thread-safety: thread-safe. gRPC's synchronous server runs each local stream
 // on its own thread; one thread reads each generation's upstream schedule
@@ -127,6 +129,10 @@ class HostRelay final : public hsdp::v1::CoordinatorService::Service {
   // Writes `batch` upstream (one message where the coordinator takes relayed
   // ones); the error that ended the upstream stream otherwise.
   absl::Status WriteLocked(std::vector<hsdp::v1::StreamReportsRequest> batch)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(up_mu_);
+  // Writes `message` on the open upstream report stream (OK when none is
+  // open); the error that ended the stream otherwise, which closes it.
+  absl::Status WriteOneLocked(const hsdp::v1::StreamReportsRequest& message)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(up_mu_);
   // Closes the upstream report stream: OK once the coordinator recorded all
   // of it, else the error that ended it.

@@ -8,6 +8,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <chrono>
 #include <memory>
 #include <string>
 #include <thread>
@@ -231,6 +232,53 @@ TEST_F(HostRelayTest,
             std::string::npos)
       << refused.error_message();
   EXPECT_EQ(coordinator_->membership().last_committed_step(), 1);
+}
+
+// A vote the coordinator refuses, with nothing sent after it: the relay's idle
+// upstream stream is probed, and the host's local streams end with the
+// refusal within about a second (a voter waiting for its commit then asks
+// CommitStep), rather than waiting for a message that may never come.
+TEST_F(HostRelayTest, ARefusedVoteEndsTheHostsStreamsWithoutAnotherMessage) {
+  StartCoordinator();
+  StartRelay();
+  auto a = MakeAgent(0);
+  auto b = MakeAgent(1);
+  ASSERT_TRUE(a->Join().ok());
+  ASSERT_TRUE(b->Join().ok());
+  auto relay = hsdp::v1::CoordinatorService::NewStub(
+      grpc::CreateChannel(relay_address_, grpc::InsecureChannelCredentials()));
+  // a's schedule stream through the relay.
+  grpc::ClientContext watch_context;
+  watch_context.set_deadline(std::chrono::system_clock::now() +
+                             std::chrono::seconds(20));
+  hsdp::v1::WatchSchedulesRequest watch;
+  watch.set_job_id(kJob);
+  watch.set_worker_id(a->worker_id());
+  watch.set_generation(a->generation());
+  auto schedules = relay->WatchSchedules(&watch_context, watch);
+  hsdp::v1::WatchSchedulesResponse pushed;
+  ASSERT_TRUE(schedules->Read(&pushed));  // step 0: the stream is up
+  // A vote of a worker the coordinator never saw: refused.
+  const int64_t stranger = a->worker_id() + b->worker_id() + 100;
+  grpc::ClientContext report_context;
+  hsdp::v1::StreamReportsResponse response;
+  auto reports = relay->StreamReports(&report_context, &response);
+  hsdp::v1::StreamReportsRequest vote;
+  vote.mutable_vote()->set_job_id(kJob);
+  vote.mutable_vote()->set_worker_id(stranger);
+  vote.mutable_vote()->set_generation(a->generation());
+  vote.mutable_vote()->set_step(0);
+  const absl::Time sent = absl::Now();
+  ASSERT_TRUE(reports->Write(vote));
+  while (schedules->Read(&pushed)) {
+  }
+  const grpc::Status ended = schedules->Finish();
+  EXPECT_LT(absl::Now() - sent, absl::Seconds(5));
+  // The refusal itself, not the generation's end (ABORTED) or the deadline.
+  EXPECT_NE(ended.error_message().find(std::to_string(stranger)),
+            std::string::npos)
+      << ended.error_code() << ": " << ended.error_message();
+  report_context.TryCancel();
 }
 
 // The relay goes away mid-job: the workers' streams end, and they go on by
