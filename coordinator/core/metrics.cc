@@ -99,6 +99,13 @@ Metrics::Metrics()
                     .Register(*registry_);
   votes_streamed_ = &votes.Add({{"via", "stream"}});
   votes_by_call_ = &votes.Add({{"via", "call"}});
+  relayed_ = &prometheus::BuildCounter()
+                  .Name("hsdp_relayed_messages_total")
+                  .Help(
+                      "Workers' report-stream messages that a host relay "
+                      "carried inside another worker's message")
+                  .Register(*registry_)
+                  .Add({});
   generation_ends_family_ =
       &prometheus::BuildCounter()
            .Name("hsdp_generation_ends_total")
@@ -184,6 +191,10 @@ void Metrics::RecordGenerationEnd(const std::string& cause) {
 
 void Metrics::RecordVote(bool streamed) {
   (streamed ? votes_streamed_ : votes_by_call_)->Increment();
+}
+
+void Metrics::RecordRelayed(int count) {
+  relayed_->Increment(static_cast<double>(count));
 }
 
 void Metrics::ObserveFailureCost(double detect_seconds, double reform_seconds,

@@ -46,6 +46,8 @@ class Metrics {
   // A commit vote arrived: on a report stream, or by a CommitStep call (each
   // call counts, a long poll repeated after its deadline too).
   void RecordVote(bool streamed);
+  // `count` workers' messages came relayed by a host relay inside another.
+  void RecordRelayed(int count);
   // A generation ended; `cause` is the FailureCause name (UNSPECIFIED: it
   // grew).
   void RecordGenerationEnd(const std::string& cause);
@@ -105,6 +107,7 @@ class Metrics {
   prometheus::Gauge* committed_step_;
   prometheus::Counter* votes_streamed_;
   prometheus::Counter* votes_by_call_;
+  prometheus::Counter* relayed_;
   prometheus::Family<prometheus::Counter>* generation_ends_family_;
   prometheus::Histogram* failure_detect_;
   prometheus::Histogram* failure_reform_;

@@ -340,6 +340,9 @@ absl::Status CoordinatorServiceImpl::RecordStreamed(
     return absl::OkStatus();
   };
   absl::Status first = record_one(message);
+  if (message.relayed_size() > 0) {
+    core_.metrics->RecordRelayed(message.relayed_size());
+  }
   // A relay's batch holds several workers: one worker's error must not drop
   // the others' reports and votes, so every part is recorded before the
   // stream ends with the first error.

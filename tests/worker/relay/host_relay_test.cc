@@ -228,6 +228,11 @@ TEST_F(HostRelayTest,
   writer2->WritesDone();
   const grpc::Status refused = writer2->Finish();
   EXPECT_EQ(refused.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  // Operators see how many messages came relayed: 2 per batch here.
+  EXPECT_NE(
+      coordinator_->metrics().Serialize().find("hsdp_relayed_messages_total 4"),
+      std::string::npos)
+      << coordinator_->metrics().Serialize();
   EXPECT_NE(refused.error_message().find("StreamReportsRequest.relayed"),
             std::string::npos)
       << refused.error_message();
