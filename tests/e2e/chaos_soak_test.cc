@@ -175,12 +175,14 @@ struct LedgerCounts {
 // of steps [0, steps) is trained exactly once. A microbatch may be missing
 // only from the step after a file's last line before its process lost its
 // place, at most that line's share: the last line of a killed process (the
-// kill landed between the commit and the line), or a line after which the
-// same process trained again only in a later generation (it voted, lost the
-// answer while partitioned or stopped, was declared lost, and was healed from
-// a peer that applied the step). The step's update is not lost then: the
-// final parameters' bitwise comparison with the replayed mesh history checks
-// that. Anything else is a lost or a doubled update.
+// kill landed between the commit and the line), a line after which the same
+// process trained again only in a later generation (it voted, lost the answer
+// while partitioned or stopped, was declared lost, and was healed from a peer
+// that applied the step), or the last line of a file that ends before the
+// last step (the same, but the process then stood by to the end). The step's
+// update is not lost then: the final parameters' bitwise comparison with the
+// replayed mesh history checks that. Anything else is a lost or a doubled
+// update.
 // `world_of_step` gets the world size each step was trained on (as it counts).
 LedgerCounts ExpectLedgerExact(
     const std::vector<std::string>& reports,
@@ -193,7 +195,8 @@ LedgerCounts ExpectLedgerExact(
   std::map<int64_t, int64_t> may_miss;
   for (const std::string& path : reports) {
     const std::vector<ReportLine> lines = ReadReportLines(path);
-    if (killed.count(path) > 0 && !lines.empty()) {
+    if (!lines.empty() &&
+        (killed.count(path) > 0 || lines.back().step < steps - 1)) {
       may_miss[lines.back().step + 1] += lines.back().microbatch_count;
     }
     for (size_t i = 0; i + 1 < lines.size(); ++i) {
