@@ -19,6 +19,7 @@
 #include "coordinator/core/metrics.h"
 #include "coordinator/server.h"
 #include "gtest/gtest.h"
+#include "tests/worker/agent/live_coordinator.h"
 #include "worker/agent/agent.h"
 
 namespace hsdp::relay {
@@ -84,24 +85,24 @@ class HostRelayTest : public ::testing::Test {
   }
 
   std::unique_ptr<agent::Agent> MakeAgent(int rank) {
-    agent::AgentOptions o;
-    o.coordinator = coordinator_->address();
+    agent::AgentOptions o =
+        agent::testing::OneUnitAgentOptions(coordinator_->address(), kJob);
     o.relay = relay_address_;
-    o.job_id = kJob;
     o.rank_hint = rank;
     o.hostname = "host-a";
-    o.model = "m";
-    hsdp::v1::UnitInfo root;
-    root.set_name("root");
-    root.set_param_count(100);
-    root.set_param_bytes(400);
-    o.units = {root};
     o.retry_budget = absl::Seconds(5);
-    o.initial_backoff = absl::Milliseconds(20);
-    o.max_backoff = absl::Milliseconds(200);
     o.long_poll_timeout = absl::Seconds(5);
     o.schedule_poll_timeout = absl::Seconds(5);
     return std::make_unique<agent::Agent>(o);
+  }
+
+  // The job's two workers (ranks 0 and 1), joined.
+  void JoinTwo(std::unique_ptr<agent::Agent>& a,
+               std::unique_ptr<agent::Agent>& b) {
+    a = MakeAgent(0);
+    b = MakeAgent(1);
+    ASSERT_TRUE(a->Join().ok());
+    ASSERT_TRUE(b->Join().ok());
   }
 
   // One step as the training loop runs it, on both agents: the schedule,
@@ -137,10 +138,9 @@ class HostRelayTest : public ::testing::Test {
 TEST_F(HostRelayTest, TwoWorkersShareOneStreamPairAndVoteThroughIt) {
   StartCoordinator();
   StartRelay();
-  auto a = MakeAgent(0);
-  auto b = MakeAgent(1);
-  ASSERT_TRUE(a->Join().ok());
-  ASSERT_TRUE(b->Join().ok());
+  std::unique_ptr<agent::Agent> a, b;
+  JoinTwo(a, b);
+  if (HasFatalFailure()) return;
   constexpr int64_t kSteps = 4;
   for (int64_t step = 0; step < kSteps; ++step) {
     Step(*a, *b, step);
@@ -179,10 +179,9 @@ TEST_F(HostRelayTest, TwoWorkersShareOneStreamPairAndVoteThroughIt) {
 TEST_F(HostRelayTest,
        ACoordinatorRecordsEveryRelayedMessageAndEndsWithTheFirstError) {
   StartCoordinator();
-  auto a = MakeAgent(0);
-  auto b = MakeAgent(1);
-  ASSERT_TRUE(a->Join().ok());
-  ASSERT_TRUE(b->Join().ok());
+  std::unique_ptr<agent::Agent> a, b;
+  JoinTwo(a, b);
+  if (HasFatalFailure()) return;
   ASSERT_TRUE(a->GetSchedule(0, 10).ok());
   auto stub = hsdp::v1::CoordinatorService::NewStub(grpc::CreateChannel(
       coordinator_->address(), grpc::InsecureChannelCredentials()));
@@ -246,10 +245,9 @@ TEST_F(HostRelayTest,
 TEST_F(HostRelayTest, ARefusedVoteEndsTheHostsStreamsWithoutAnotherMessage) {
   StartCoordinator();
   StartRelay();
-  auto a = MakeAgent(0);
-  auto b = MakeAgent(1);
-  ASSERT_TRUE(a->Join().ok());
-  ASSERT_TRUE(b->Join().ok());
+  std::unique_ptr<agent::Agent> a, b;
+  JoinTwo(a, b);
+  if (HasFatalFailure()) return;
   auto relay = hsdp::v1::CoordinatorService::NewStub(
       grpc::CreateChannel(relay_address_, grpc::InsecureChannelCredentials()));
   // a's schedule stream through the relay.
@@ -291,10 +289,9 @@ TEST_F(HostRelayTest, ARefusedVoteEndsTheHostsStreamsWithoutAnotherMessage) {
 TEST_F(HostRelayTest, WorkersCarryOnByCallWhenTheRelayStops) {
   StartCoordinator();
   StartRelay();
-  auto a = MakeAgent(0);
-  auto b = MakeAgent(1);
-  ASSERT_TRUE(a->Join().ok());
-  ASSERT_TRUE(b->Join().ok());
+  std::unique_ptr<agent::Agent> a, b;
+  JoinTwo(a, b);
+  if (HasFatalFailure()) return;
   Step(*a, *b, 0);
   if (HasFatalFailure()) return;
   StopRelay();
@@ -317,10 +314,9 @@ TEST_F(HostRelayTest,
        AWorkerGoneFromTheRelayIsNotWaitedForByTheNextGeneration) {
   StartCoordinator("", absl::Seconds(30));
   StartRelay();
-  auto a = MakeAgent(0);
-  auto b = MakeAgent(1);
-  ASSERT_TRUE(a->Join().ok());
-  ASSERT_TRUE(b->Join().ok());
+  std::unique_ptr<agent::Agent> a, b;
+  JoinTwo(a, b);
+  if (HasFatalFailure()) return;
   Step(*a, *b, 0);
   if (HasFatalFailure()) return;
   b.reset();  // its streams close, as a dead process's do
